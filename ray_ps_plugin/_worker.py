@@ -1,0 +1,412 @@
+"""Worker side: what runs inside each Ray Train worker process.
+
+One synchronous step, top to bottom:
+
+1. ``loss.backward()`` fills DDP's gradient buckets; as each bucket becomes ready
+   DDP calls :meth:`PSClient.hook` on the autograd thread.
+2. The hook divides the bucket by the world size (as DDP's all-reduce hook does),
+   cuts it into chunks with :class:`~ray_ps_plugin._layout.StreamLayout` and submits
+   one non-blocking ``push_pull`` per chunk to the chunk's shard. Backward carries on
+   computing the next buckets while the chunks travel: communication overlaps
+   backward.
+3. A per-worker communication thread waits (with a timeout) for the shards' sums
+   and writes them back into the bucket, completing the future DDP holds.
+4. At the end of backward DDP waits for every bucket's future and copies the summed
+   buckets into ``param.grad``; the user's optimizer then steps locally, exactly as
+   under DDP.
+
+The backend installs a :class:`RunInfo` in every worker process before the training
+function starts (:func:`install_run`); the training function's context
+(:class:`PSTrainFuncContext`) makes ``ray.train.torch.prepare_model`` build a
+:class:`PSDistributedDataParallel` from it.
+"""
+
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from ray_ps_plugin._layout import Piece, StreamLayout
+
+if TYPE_CHECKING:
+    from ray_ps_plugin.config import PSConfig
+
+__all__ = [
+    "PSContext",
+    "PSDistributedDataParallel",
+    "PSError",
+    "PSTimeoutError",
+    "RunInfo",
+    "get_ps_context",
+]
+
+
+class PSError(RuntimeError):
+    """A parameter-server operation failed; the message names the shard and step."""
+
+
+class PSTimeoutError(PSError, TimeoutError):
+    """A server shard did not answer within ``PSConfig.ps_timeout_s``."""
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What the backend hands every worker: the servers of this run and the config.
+
+    Attributes:
+        servers: Actor handles of the shards, in shard order.
+        server_node_ids: Node id of each shard.
+        mode: Consistency mode ("sync", "async" or "ssp").
+        chunk_bytes: Largest chunk per message.
+        timeout_s: Bound on every wait for a shard.
+    """
+
+    servers: Sequence[Any]
+    server_node_ids: Sequence[str]
+    mode: str
+    chunk_bytes: int
+    timeout_s: float
+
+
+@dataclass
+class PSStats:
+    """Live counters of one worker, since its model was prepared."""
+
+    steps: int = 0
+    bytes_pushed: int = 0
+    bytes_pulled: int = 0
+    pushes: int = 0
+    bytes_pushed_per_shard: list[int] = field(default_factory=list)
+    last_sync_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class PSContext:
+    """What ``get_ps_context()`` returns inside a PS training function.
+
+    Attributes:
+        mode: "sync", "async" or "ssp".
+        num_servers: Number of server shards.
+        server_node_ids: The node id of each shard, in shard order.
+        world_rank: This worker's rank.
+        world_size: Number of workers.
+    """
+
+    mode: str
+    num_servers: int
+    server_node_ids: tuple[str, ...]
+    world_rank: int
+    world_size: int
+    _client: "PSClient | None" = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def stats(self) -> PSStats:
+        """A snapshot of this worker's counters (zero before ``prepare_model``)."""
+        if self._client is None:
+            return PSStats(bytes_pushed_per_shard=[0] * self.num_servers)
+        return self._client.snapshot()
+
+
+class Transport(Protocol):
+    """How chunks reach the shards; the real one is Ray, tests may fake it."""
+
+    def submit(self, shard: int, step: int, key: int, rank: int, chunk: np.ndarray) -> Any:
+        """Starts a push of ``chunk`` and returns a handle to its result."""
+        ...
+
+    def wait(self, handles: list[Any], timeout_s: float) -> list[np.ndarray]:
+        """Waits for all results; raises ``TimeoutError`` after ``timeout_s``."""
+        ...
+
+
+class RayTransport:
+    """Pushes chunks to shard actors through Ray's object store."""
+
+    def __init__(self, servers: Sequence[Any]) -> None:
+        self._servers = list(servers)
+
+    def submit(self, shard: int, step: int, key: int, rank: int, chunk: np.ndarray) -> Any:
+        return self._servers[shard].push_pull.remote(step, key, rank, chunk)
+
+    def wait(self, handles: list[Any], timeout_s: float) -> list[np.ndarray]:
+        import ray
+
+        try:
+            return ray.get(handles, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError as e:
+            raise TimeoutError(str(e)) from e
+
+
+@dataclass
+class _Pending:
+    step: int
+    bucket: torch.Tensor
+    host: np.ndarray
+    pieces: tuple[Piece, ...]
+    handles: list[Any]
+    future: torch.futures.Future
+    started: float
+
+
+class PSClient:
+    """Routes DDP's gradient buckets through the server shards.
+
+    Args:
+        transport: How chunks reach the shards.
+        layout: Where each chunk goes.
+        num_servers: Number of shards.
+        world_rank: This worker's rank.
+        world_size: Number of workers.
+        timeout_s: Bound on every wait for a shard.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        layout: StreamLayout,
+        num_servers: int,
+        world_rank: int,
+        world_size: int,
+        timeout_s: float,
+    ) -> None:
+        self._transport = transport
+        self._layout = layout
+        self._rank = world_rank
+        self._world_size = world_size
+        self._timeout_s = timeout_s
+        self._stream_offset = 0
+        self._lock = threading.Lock()
+        self._stats = PSStats(bytes_pushed_per_shard=[0] * num_servers)
+        self._queue: "queue.Queue[_Pending | None]" = queue.Queue()
+        self._thread = threading.Thread(
+            target=self._complete_loop, name=f"ps-comm-rank{world_rank}", daemon=True
+        )
+        self._thread.start()
+
+    # No ``from __future__ import annotations`` in this module: DDP checks these
+    # annotations at register time and rejects string annotations.
+    def hook(
+        self, state: object, bucket: torch.distributed.GradBucket
+    ) -> torch.futures.Future[torch.Tensor]:
+        """DDP communication hook: push this bucket's chunks, return the sum's future."""
+        buf = bucket.buffer()
+        if bucket.index() == 0:
+            # Buckets come in index order; index 0 opens a new synchronisation round.
+            self._stream_offset = 0
+            with self._lock:
+                self._stats.steps += 1
+        step = self._stats.steps
+        buf.div_(self._world_size)
+        # A CPU bucket is shared with numpy as is; a GPU bucket is staged on the host.
+        host = buf.detach().cpu().numpy() if buf.is_cuda else buf.detach().numpy()
+        pieces = self._layout.cut(self._stream_offset, buf.numel(), buf.element_size())
+        self._stream_offset += buf.numel() * buf.element_size()
+        # Ray serialises each argument inside .remote(), so the bucket may be reused
+        # as soon as this returns; the pushes themselves proceed in the background.
+        handles = [
+            self._transport.submit(p.shard, step, p.key, self._rank, host[p.start : p.stop])
+            for p in pieces
+        ]
+        with self._lock:
+            for p in pieces:
+                nbytes = p.numel * buf.element_size()
+                self._stats.bytes_pushed += nbytes
+                self._stats.bytes_pushed_per_shard[p.shard] += nbytes
+            self._stats.pushes += len(pieces)
+        fut: torch.futures.Future = torch.futures.Future()
+        self._queue.put(_Pending(step, buf, host, pieces, handles, fut, time.perf_counter()))
+        return fut
+
+    def _complete_loop(self) -> None:
+        """Completes bucket futures in submission order (the order DDP waits in)."""
+        while (item := self._queue.get()) is not None:
+            try:
+                results = self._transport.wait(item.handles, self._timeout_s)
+            except TimeoutError:
+                shards = sorted({p.shard for p in item.pieces})
+                item.future.set_exception(
+                    PSTimeoutError(
+                        f"rank {self._rank}: step {item.step}: server shard(s) {shards} did "
+                        f"not answer within ps_timeout_s={self._timeout_s:g}s. A worker or "
+                        "shard is stuck or dead; raise PSConfig.ps_timeout_s if steps are "
+                        "legitimately slower."
+                    )
+                )
+                continue
+            except Exception as e:  # noqa: BLE001 - any failure must reach backward()
+                shards = sorted({p.shard for p in item.pieces})
+                item.future.set_exception(
+                    PSError(
+                        f"rank {self._rank}: step {item.step}: push to server shard(s) "
+                        f"{shards} failed: {e}"
+                    )
+                )
+                continue
+            nbytes = 0
+            for p, r in zip(item.pieces, results):
+                item.host[p.start : p.stop] = r
+                nbytes += r.nbytes
+            if item.bucket.is_cuda:
+                item.bucket.copy_(torch.from_numpy(item.host), non_blocking=False)
+            with self._lock:
+                self._stats.bytes_pulled += nbytes
+                self._stats.last_sync_s = time.perf_counter() - item.started
+            item.future.set_result(item.bucket)
+
+    def snapshot(self) -> PSStats:
+        """A copy of the counters, safe to read from the training thread."""
+        with self._lock:
+            return dataclasses.replace(
+                self._stats, bytes_pushed_per_shard=list(self._stats.bytes_pushed_per_shard)
+            )
+
+    def close(self) -> None:
+        """Stops the communication thread (waits at most ``timeout_s``)."""
+        self._queue.put(None)
+        self._thread.join(self._timeout_s)
+
+
+# --- per-process registry -----------------------------------------------------------
+# Set by the backend through worker_group.execute() on the actor's main thread and
+# read by the training thread of the same process.
+_RUN: RunInfo | None = None
+_CLIENTS: list[PSClient] = []
+
+
+def install_run(info: RunInfo) -> None:
+    """Called by the backend on every worker before training starts."""
+    global _RUN
+    _RUN = info
+
+
+def uninstall_run() -> None:
+    """Called by the backend on shutdown: stops communication threads."""
+    global _RUN
+    _RUN = None
+    while _CLIENTS:
+        _CLIENTS.pop().close()
+
+
+def get_ps_context() -> PSContext | None:
+    """Describes this run's parameter servers, from inside the training function.
+
+    Returns:
+        A :class:`PSContext` with the servers' count, node ids and mode, and live
+        statistics of this worker (``.stats``); ``None`` when the run does not use the
+        parameter-server strategy (``strategy="ddp"`` or a plain ``TorchTrainer``).
+    """
+    if _RUN is None:
+        return None
+    import ray.train
+
+    ctx = ray.train.get_context()
+    return PSContext(
+        mode=_RUN.mode,
+        num_servers=len(_RUN.servers),
+        server_node_ids=tuple(_RUN.server_node_ids),
+        world_rank=ctx.get_world_rank(),
+        world_size=ctx.get_world_size(),
+        _client=_CLIENTS[-1] if _CLIENTS else None,
+    )
+
+
+def trainable_bytes(module: torch.nn.Module) -> int:
+    """Bytes of one gradient of every parameter DDP synchronises."""
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+
+
+class PSDistributedDataParallel(DistributedDataParallel):
+    """``DistributedDataParallel`` whose gradient reduction goes through the servers.
+
+    It *is* a ``DistributedDataParallel`` (``isinstance`` checks, ``.module``,
+    ``no_sync()``, ``find_unused_parameters`` and DDP's bucketing and overlap all
+    behave as usual); only the per-bucket all-reduce is replaced by a DDP
+    communication hook that pushes chunks to the server shards and pulls their sum.
+    DDP's constructor still broadcasts rank 0's parameters and buffers, so every
+    worker starts from identical state.
+    """
+
+    def __init__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        super().__init__(module, *args, **kwargs)
+        info = _RUN
+        if info is None:
+            raise RuntimeError(
+                "PSDistributedDataParallel needs a running PS backend; use it through "
+                "PSTrainer or TorchTrainer(torch_config=PSConfig(strategy='ps'))."
+            )
+        import ray.train
+
+        ctx = ray.train.get_context()
+        client = PSClient(
+            transport=RayTransport(info.servers),
+            layout=StreamLayout(trainable_bytes(module), len(info.servers), info.chunk_bytes),
+            num_servers=len(info.servers),
+            world_rank=ctx.get_world_rank(),
+            world_size=ctx.get_world_size(),
+            timeout_s=info.timeout_s,
+        )
+        _CLIENTS.append(client)
+        self.register_comm_hook(None, client.hook)
+
+
+def _prepare_model_modules() -> list[Any]:
+    """The modules whose ``DistributedDataParallel`` global prepare_model reads."""
+    import importlib
+
+    mods = []
+    for name in ("ray.train.v2.torch.train_loop_utils", "ray.train.torch.train_loop_utils"):
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:  # pragma: no cover - depends on the Ray version
+            continue
+        if hasattr(mod, "DistributedDataParallel"):
+            mods.append(mod)
+    return mods
+
+
+class PSTrainFuncContext:
+    """Wraps the user's training function on each worker (``train_func_context``).
+
+    On entry it makes ``ray.train.torch.prepare_model`` wrap models in
+    :class:`PSDistributedDataParallel` (prepare_model looks up
+    ``DistributedDataParallel`` as a module global at call time); on exit it restores
+    the original and stops the communication threads.
+
+    Args:
+        config: The run's PSConfig.
+        base: The context manager TorchConfig would use (CUDA device selection).
+    """
+
+    def __init__(self, config: "PSConfig", base: Callable[[], Any]) -> None:
+        self._config = config
+        self._base = base()
+        self._saved: list[tuple[Any, Any]] = []
+
+    def __enter__(self) -> "PSTrainFuncContext":
+        self._base.__enter__()
+        for mod in _prepare_model_modules():
+            self._saved.append((mod, mod.DistributedDataParallel))
+            mod.DistributedDataParallel = PSDistributedDataParallel
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        for mod, original in self._saved:
+            mod.DistributedDataParallel = original
+        self._saved.clear()
+        while _CLIENTS:
+            _CLIENTS.pop().close()
+        self._base.__exit__(exc_type, exc, tb)
+        return False
