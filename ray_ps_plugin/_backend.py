@@ -88,11 +88,13 @@ class PSBackend(_TorchBackend):
                 ).remote(i, num_workers, cfg.ps_timeout_s)
             )
         try:
-            ready = ray.get([s.ready.remote() for s in self._servers], timeout=cfg.ps_timeout_s)
+            ready = ray.get(
+                [s.ready.remote() for s in self._servers], timeout=cfg.ps_start_timeout_s
+            )
         except ray.exceptions.GetTimeoutError as e:
             raise TimeoutError(
                 f"{num_servers} parameter-server shard(s) did not start within "
-                f"ps_timeout_s={cfg.ps_timeout_s:g}s."
+                f"ps_start_timeout_s={cfg.ps_start_timeout_s:g}s."
             ) from e
         info = _worker.RunInfo(
             servers=list(self._servers),

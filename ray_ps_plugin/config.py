@@ -42,6 +42,8 @@ class PSConfig(TorchConfig):
         ps_timeout_s: Bound, in seconds, on every wait for a server shard (a push
             waiting for the other workers, a worker waiting for a sum, server start
             and stop). A timeout raises an error naming the shard and the step.
+        ps_start_timeout_s: Bound, in seconds, on starting the server shards (a new
+            actor process can take several seconds on a busy node).
         backend: Torch process-group backend (see TorchConfig). The PS strategy still
             starts one, because DDP's constructor broadcasts rank 0's initial
             parameters and buffers through it.
@@ -60,6 +62,7 @@ class PSConfig(TorchConfig):
     num_servers: int | None = None
     chunk_bytes: int = 4 * 1024 * 1024
     ps_timeout_s: float = 120.0
+    ps_start_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         _check_choice("strategy", self.strategy, STRATEGIES)
@@ -73,19 +76,8 @@ class PSConfig(TorchConfig):
         if self.num_servers is not None:
             _check_int("num_servers", self.num_servers, minimum=1)
         _check_int("chunk_bytes", self.chunk_bytes, minimum=1024)
-        if (
-            isinstance(self.ps_timeout_s, bool)
-            or not isinstance(self.ps_timeout_s, (int, float))
-        ):
-            raise TypeError(
-                f"PSConfig.ps_timeout_s must be a number of seconds, got "
-                f"{type(self.ps_timeout_s).__name__} {self.ps_timeout_s!r}."
-            )
-        if not (self.ps_timeout_s > 0 and math.isfinite(self.ps_timeout_s)):
-            raise ValueError(
-                f"PSConfig.ps_timeout_s must be a finite number of seconds > 0, got "
-                f"{self.ps_timeout_s!r}; every wait on a server needs a bound."
-            )
+        _check_seconds("ps_timeout_s", self.ps_timeout_s)
+        _check_seconds("ps_start_timeout_s", self.ps_start_timeout_s)
         if self.strategy == "ps" and self.mode not in _AVAILABLE_MODES:
             raise NotImplementedError(
                 f"PSConfig(mode={self.mode!r}) is not available in this version of "
@@ -117,6 +109,7 @@ class PSConfig(TorchConfig):
             "num_servers": self.num_servers,
             "chunk_bytes": self.chunk_bytes,
             "ps_timeout_s": self.ps_timeout_s,
+            "ps_start_timeout_s": self.ps_start_timeout_s,
         }
 
 
@@ -137,3 +130,16 @@ def _check_int(name: str, value: object, minimum: int) -> None:
         )
     if value < minimum:
         raise ValueError(f"PSConfig.{name} must be >= {minimum}, got {value}.")
+
+
+def _check_seconds(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"PSConfig.{name} must be a number of seconds, got "
+            f"{type(value).__name__} {value!r}."
+        )
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(
+            f"PSConfig.{name} must be a finite number of seconds > 0, got {value!r}; "
+            "every wait on a server needs a bound."
+        )

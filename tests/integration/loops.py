@@ -1,0 +1,174 @@
+"""Training loops and probes shared by the integration tests (shipped by value)."""
+
+import tempfile
+import time
+from typing import Any
+
+import ray
+import ray.train
+import ray.train.torch
+import torch
+import torch.nn as nn
+
+from ray_ps_plugin import get_ps_context
+
+
+class Net(nn.Module):
+    """Small MLP with a frozen layer and a parameter unused on odd steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = nn.Linear(16, 16)
+        self.frozen.requires_grad_(False)
+        self.body = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU())
+        self.head = nn.Linear(64, 4)
+        self.aux = nn.Linear(64, 4)  # used only on even steps
+        self.bn = nn.BatchNorm1d(64)
+
+    def forward(self, x: torch.Tensor, use_aux: bool) -> torch.Tensor:
+        h = self.bn(self.body(self.frozen(x)))
+        out = self.head(h)
+        return out + self.aux(h) if use_aux else out
+
+
+def dataset(n: int = 512) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(n, 16, generator=g)
+    y = (x[:, :4].argmax(dim=1) + (x[:, 4] > 0).long()) % 4
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def equivalence_loop(config: dict[str, Any]) -> None:
+    """The kind of loop Ray's docs show, plus the awkward cases DDP users rely on.
+
+    Adam + StepLR, prepare_data_loader, find_unused_parameters, frozen parameters,
+    BatchNorm buffers, no_sync() gradient accumulation, checkpoint of
+    model.module.state_dict().
+    """
+    torch.manual_seed(config.get("seed", 0) + ray.train.get_context().get_world_rank())
+    model = ray.train.torch.prepare_model(
+        Net(), parallel_strategy_kwargs={"find_unused_parameters": True}
+    )
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)
+    loader = torch.utils.data.DataLoader(dataset(), batch_size=16, shuffle=True)
+    loader = ray.train.torch.prepare_data_loader(loader)
+    accumulate = config.get("accumulate", 2)
+    step, updates = 0, 0
+    epoch = 0
+    while updates < config["steps"]:
+        loader.sampler.set_epoch(epoch)
+        for x, y in loader:
+            use_aux = updates % 2 == 0
+            last_micro = (step + 1) % accumulate == 0
+            if last_micro:
+                loss = nn.functional.cross_entropy(model(x, use_aux), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                sched.step()
+                updates += 1
+            else:
+                with model.no_sync():
+                    nn.functional.cross_entropy(model(x, use_aux), y).backward()
+            step += 1
+            if updates >= config["steps"]:
+                break
+        epoch += 1
+    report_state(model, {"loss": loss.item(), "updates": updates})
+
+
+def report_state(model: nn.Module, metrics: dict[str, Any]) -> None:
+    """Rank 0 checkpoints the model; every rank reports its PS context."""
+    ctx = get_ps_context()
+    metrics = dict(metrics)
+    metrics["is_ddp_instance"] = isinstance(model, nn.parallel.DistributedDataParallel)
+    if ctx is not None:
+        st = ctx.stats
+        metrics.update(
+            ps_mode=ctx.mode,
+            ps_num_servers=ctx.num_servers,
+            ps_server_nodes=list(ctx.server_node_ids),
+            ps_steps=st.steps,
+            ps_bytes_pushed=st.bytes_pushed,
+            ps_bytes_pulled=st.bytes_pulled,
+            ps_per_shard=st.bytes_pushed_per_shard,
+            worker_node=ray.get_runtime_context().get_node_id(),
+        )
+    metrics["has_ps_context"] = ctx is not None
+    metrics["trainable_bytes"] = sum(
+        p.numel() * p.element_size() for p in model.parameters() if p.requires_grad
+    )
+    with tempfile.TemporaryDirectory() as d:
+        checkpoint = None
+        if ray.train.get_context().get_world_rank() == 0:
+            torch.save(model.module.state_dict(), f"{d}/model.pt")
+            checkpoint = ray.train.Checkpoint.from_directory(d)
+        ray.train.report(metrics, checkpoint=checkpoint)
+
+
+def failing_loop(config: dict[str, Any]) -> None:
+    model = ray.train.torch.prepare_model(nn.Linear(4, 4))
+    model(torch.randn(2, 4)).sum().backward()
+    raise ValueError("user code failed on purpose")
+
+
+def slow_rank_loop(config: dict[str, Any]) -> None:
+    """Rank 1 stalls before its third backward for longer than ps_timeout_s.
+
+    Not the second: DDP's forward of the second iteration rebuilds its buckets with a
+    gloo collective, which is bounded by TorchConfig.timeout_s, not by the servers.
+    """
+    model = ray.train.torch.prepare_model(nn.Linear(4, 4))
+    for step in range(4):
+        if step == 2 and ray.train.get_context().get_world_rank() == 1:
+            time.sleep(config["stall_s"])
+        model(torch.randn(2, 4)).sum().backward()
+
+
+def load_state(result: ray.train.Result) -> dict[str, torch.Tensor]:
+    with result.checkpoint.as_directory() as d:
+        return torch.load(f"{d}/model.pt", weights_only=True)
+
+
+def live_shards() -> int:
+    """Shard actors that are not dead, cluster-wide (GCS table; no dashboard needed)."""
+    return sum(
+        1
+        for a in ray._private.state.actors().values()
+        if a["ActorClassName"].endswith("ShardServer") and a["State"] != "DEAD"
+    )
+
+
+def live_placement_groups() -> int:
+    return sum(
+        1 for pg in ray.util.placement_group_table().values() if pg["state"] != "REMOVED"
+    )
+
+
+def wait_until(pred, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.2)
+    return pred()
+
+
+# --- failure injection in the backend -------------------------------------------
+from ray_ps_plugin import PSConfig  # noqa: E402
+from ray_ps_plugin._backend import PSBackend  # noqa: E402
+
+
+class _FailAfterServersBackend(PSBackend):
+    def _start_servers(self, worker_group: Any, cfg: PSConfig) -> None:
+        super()._start_servers(worker_group, cfg)
+        raise RuntimeError("injected on_start failure after the shards started")
+
+
+class FailingStartConfig(PSConfig):
+    """A PSConfig whose backend fails in on_start once its shards are up."""
+
+    @property
+    def backend_cls(self) -> type[PSBackend]:
+        return _FailAfterServersBackend

@@ -1,0 +1,83 @@
+"""PSClient's DDP hook against fake shards: chunks, sums, stats, timeouts."""
+
+import threading
+
+import pytest
+import torch
+
+from ray_ps_plugin._layout import StreamLayout
+from ray_ps_plugin._server import ShardServer
+from ray_ps_plugin._worker import PSClient, PSTimeoutError
+
+from tests.unit.fakes import FakeBucket, FakeTransport, LoopThread
+
+
+@pytest.fixture
+def loop():
+    lt = LoopThread()
+    yield lt
+    lt.stop()
+
+
+def _clients(loop, world_size, num_servers, total_bytes, chunk_bytes, timeout_s=5.0):
+    servers = [ShardServer(i, world_size, timeout_s) for i in range(num_servers)]
+    transport = FakeTransport(loop, servers)
+    layout = StreamLayout(total_bytes, num_servers, chunk_bytes)
+    clients = [
+        PSClient(transport, layout, num_servers, r, world_size, timeout_s)
+        for r in range(world_size)
+    ]
+    return clients, transport
+
+
+def test_buckets_come_back_as_the_mean_over_workers(loop):
+    world, numels = 3, [1000, 4000, 333]
+    total = sum(numels) * 4
+    clients, transport = _clients(loop, world, num_servers=2, total_bytes=total, chunk_bytes=2048)
+    grads = {
+        r: [torch.randn(n, generator=torch.Generator().manual_seed(r * 10 + i)) for i, n in enumerate(numels)]
+        for r in range(world)
+    }
+    results: dict[int, list[torch.Tensor]] = {}
+
+    def worker(rank):
+        bufs = [g.clone() for g in grads[rank]]
+        futs = [clients[rank].hook(None, FakeBucket(i, b)) for i, b in enumerate(bufs)]
+        results[rank] = [f.wait() for f in futs]
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for i in range(len(numels)):
+        expected = sum(grads[r][i] for r in range(world)) / world
+        for r in range(world):
+            torch.testing.assert_close(results[r][i], expected)
+
+    stats = clients[0].snapshot()
+    assert stats.steps == 1 and stats.bytes_pushed == total and stats.bytes_pulled == total
+    assert abs(stats.bytes_pushed_per_shard[0] - stats.bytes_pushed_per_shard[1]) <= 2048
+    assert all(size * 4 <= 2048 for *_, size in transport.submitted)
+    for c in clients:
+        c.close()
+
+
+def test_bucket_index_zero_opens_a_new_step(loop):
+    clients, transport = _clients(loop, 1, num_servers=1, total_bytes=40, chunk_bytes=1024)
+    (c,) = clients
+    for _ in range(3):
+        c.hook(None, FakeBucket(0, torch.ones(10))).wait()
+    assert c.snapshot().steps == 3
+    assert [step for _, step, *_ in transport.submitted] == [1, 2, 3]
+    c.close()
+
+
+def test_a_silent_peer_fails_backward_with_shard_and_step(loop):
+    clients, _ = _clients(loop, 2, num_servers=2, total_bytes=80, chunk_bytes=1024, timeout_s=0.2)
+    fut = clients[0].hook(None, FakeBucket(0, torch.ones(20)))
+    with pytest.raises(Exception, match=r"step 1: server shard\(s\) \[0, 1\].*ps_timeout_s") as info:
+        fut.wait()
+    assert "PSTimeoutError" in repr(info.value) or isinstance(info.value, PSTimeoutError)
+    for c in clients:
+        c.close()

@@ -1,0 +1,72 @@
+"""PSConfig / PSTrainer validation: clear, early errors naming the field."""
+
+import math
+
+import pytest
+from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.torch.config import TorchConfigContextManager, _TorchBackend
+
+from ray_ps_plugin import PSConfig, PSTrainer
+from ray_ps_plugin._backend import PSBackend
+
+
+def test_defaults_are_sync_ps_and_a_torch_config():
+    cfg = PSConfig()
+    assert isinstance(cfg, TorchConfig)
+    assert (cfg.strategy, cfg.mode, cfg.staleness, cfg.num_servers) == ("ps", "sync", 0, None)
+    assert cfg.backend_cls is PSBackend
+    assert cfg.to_dict()["strategy"] == "ps"
+
+
+def test_ddp_strategy_is_stock_torch_config():
+    cfg = PSConfig(strategy="ddp")
+    assert cfg.backend_cls is _TorchBackend
+    assert cfg.train_func_context is TorchConfigContextManager
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, field",
+    [
+        (dict(strategy="allreduce"), ValueError, "strategy"),
+        (dict(strategy=1), TypeError, "strategy"),
+        (dict(mode="eventual"), ValueError, "mode"),
+        (dict(staleness=-1, mode="ssp"), ValueError, "staleness"),
+        (dict(staleness=1.5), TypeError, "staleness"),
+        (dict(staleness=2), ValueError, "staleness"),  # staleness without ssp
+        (dict(num_servers=0), ValueError, "num_servers"),
+        (dict(num_servers=True), TypeError, "num_servers"),
+        (dict(num_servers="2"), TypeError, "num_servers"),
+        (dict(chunk_bytes=10), ValueError, "chunk_bytes"),
+        (dict(chunk_bytes=1024.0), TypeError, "chunk_bytes"),
+        (dict(ps_timeout_s=0), ValueError, "ps_timeout_s"),
+        (dict(ps_timeout_s=math.inf), ValueError, "ps_timeout_s"),
+        (dict(ps_timeout_s="10"), TypeError, "ps_timeout_s"),
+        (dict(ps_start_timeout_s=-1), ValueError, "ps_start_timeout_s"),
+    ],
+)
+def test_bad_fields_name_the_field(kwargs, exc, field):
+    with pytest.raises(exc, match=field):
+        PSConfig(**kwargs)
+
+
+def test_pstrainer_rejects_torch_config_and_wrong_types():
+    def loop():
+        pass
+
+    with pytest.raises(TypeError, match="ps_config"):
+        PSTrainer(loop, torch_config=TorchConfig())
+    with pytest.raises(TypeError, match="PSConfig"):
+        PSTrainer(loop, ps_config=TorchConfig())
+
+
+def test_pstrainer_is_a_torch_trainer_with_the_config():
+    trainer = PSTrainer(lambda: None, ps_config=PSConfig(num_servers=3))
+    assert isinstance(trainer, TorchTrainer)
+    assert trainer.backend_config.num_servers == 3
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_modes_not_built_yet_are_refused_up_front(mode):
+    with pytest.raises(NotImplementedError, match="mode"):
+        PSConfig(mode=mode)
+    PSConfig(strategy="ddp", mode=mode)  # irrelevant under DDP: accepted

@@ -1,0 +1,82 @@
+"""StreamLayout: chunks cover every bucket exactly and balance the shards."""
+
+import random
+
+import pytest
+
+from ray_ps_plugin._layout import StreamLayout
+
+
+def _cut_stream(layout: StreamLayout, bucket_numels: list[int], itemsize: int):
+    offset, pieces = 0, []
+    for numel in bucket_numels:
+        cut = layout.cut(offset, numel, itemsize)
+        assert cut[0].start == 0 and cut[-1].stop == numel
+        assert all(a.stop == b.start for a, b in zip(cut, cut[1:])), "gaps or overlaps"
+        pieces += [(p, offset) for p in cut]
+        offset += numel * itemsize
+    return pieces
+
+
+@pytest.mark.parametrize("num_shards", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("num_buckets", [1, 2, 7, 40])
+def test_every_shard_gets_an_equal_share_within_one_chunk(num_shards, num_buckets):
+    rng = random.Random(num_shards * 100 + num_buckets)
+    itemsize, chunk_bytes = 4, 4096
+    numels = [rng.randint(1, 20_000) for _ in range(num_buckets)]
+    total = sum(numels) * itemsize
+    layout = StreamLayout(total, num_shards, chunk_bytes)
+    load = [0] * num_shards
+    keys = set()
+    for p, _ in _cut_stream(layout, numels, itemsize):
+        assert p.numel * itemsize <= chunk_bytes
+        load[p.shard] += p.numel * itemsize
+        assert p.key not in keys, "chunk keys must be unique within a step"
+        keys.add(p.key)
+    assert sum(load) == total
+    share = total / num_shards
+    assert max(abs(x - share) for x in load) <= chunk_bytes
+
+
+def test_one_huge_bucket_is_spread_over_all_shards():
+    layout = StreamLayout(total_bytes=23_000_000, num_shards=4, chunk_bytes=1 << 20)
+    pieces = layout.cut(0, 23_000_000 // 4, 4)
+    assert {p.shard for p in pieces} == {0, 1, 2, 3}
+    assert [p.shard for p in pieces] == sorted(p.shard for p in pieces)
+
+
+def test_same_stream_gives_same_cuts_whatever_the_bucket_order():
+    """DDP rebuilds buckets after step 1; shard loads must not change."""
+    layout = StreamLayout(total_bytes=4 * 1000, num_shards=3, chunk_bytes=1024)
+    loads = []
+    for numels in ([100, 400, 500], [500, 400, 100], [1000]):
+        load = [0, 0, 0]
+        for p, _ in _cut_stream(layout, numels, 4):
+            load[p.shard] += p.numel
+        loads.append(load)
+    assert loads[0] == loads[1] == loads[2]
+
+
+def test_cut_respects_element_boundaries_for_odd_itemsize():
+    layout = StreamLayout(total_bytes=3 * 2 * 7, num_shards=4, chunk_bytes=1024)
+    pieces = _cut_stream(layout, [7, 7, 7], 2)
+    assert sum(p.numel for p, _ in pieces) == 21
+
+
+def test_bucket_outside_stream_is_a_clear_error():
+    layout = StreamLayout(total_bytes=400, num_shards=2, chunk_bytes=1024)
+    with pytest.raises(ValueError, match="requires_grad"):
+        layout.cut(0, 101, 4)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(total_bytes=0, num_shards=1, chunk_bytes=1),
+        dict(total_bytes=1, num_shards=0, chunk_bytes=1),
+        dict(total_bytes=1, num_shards=1, chunk_bytes=0),
+    ],
+)
+def test_bad_sizes_raise(kwargs):
+    with pytest.raises(ValueError):
+        StreamLayout(**kwargs)
