@@ -1,0 +1,24 @@
+# Every target installs what it needs into .venv first (python3 >= 3.10 required).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+
+.PHONY: demo test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) examples/quickstart.py
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q tests
+
+bench: $(VENV)/.installed
+	$(PY) benchmarks/step_time.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

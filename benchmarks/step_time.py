@@ -1,0 +1,169 @@
+"""Step time of compute-only, DDP and PS-sync on the reference MLP, in one run.
+
+The three variants are run in alternation (compute, DDP, PS, compute, DDP, PS, ...)
+so drifts of the machine hit them alike; each ratio is taken within one round and
+the table shows the median over rounds. Also reports bytes moved per worker per step
+against the minimum (push + pull of one model's gradients).
+
+    python benchmarks/step_time.py            # reference: 3 rounds x 40 steps
+    python benchmarks/step_time.py --quick    # smoke run
+
+Reference model (BRIEF §4): MLP 784-2048-2048-10 (5.8 M params), batch 32,
+2 CPU workers with 1 torch thread each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
+
+import ray  # noqa: E402
+import ray.train  # noqa: E402
+import ray.train.torch  # noqa: E402
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+from ray.train import RunConfig, ScalingConfig  # noqa: E402
+
+from ray_ps_plugin import PSConfig, PSTrainer, get_ps_context  # noqa: E402
+
+
+def reference_mlp(width: int = 2048) -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(784, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)
+    )
+
+
+def bench_loop(config: dict[str, Any]) -> None:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = reference_mlp(config["width"])
+    model = ray.train.torch.prepare_model(
+        model, parallel_strategy="ddp" if config["sync"] else None
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = torch.randn(32, 784), torch.randint(0, 10, (32,))
+    times = []
+    for step in range(config["warmup"] + config["steps"]):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        if step >= config["warmup"]:
+            times.append(time.perf_counter() - t0)
+    ctx = get_ps_context()
+    stats = ctx.stats if ctx is not None else None
+    metrics = {
+        "median_step_s": statistics.median(times),
+        "steps_synced": stats.steps if stats else 0,
+        "bytes_moved": (stats.bytes_pushed + stats.bytes_pulled) if stats else 0,
+        "model_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+    }
+    with tempfile.TemporaryDirectory() as d:
+        Path(d, "m.json").write_text(json.dumps(metrics))
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
+
+
+VARIANTS = {
+    "compute": (PSConfig(strategy="ddp"), False),
+    "ddp": (PSConfig(strategy="ddp"), True),
+    "ps_sync": (PSConfig(strategy="ps", mode="sync"), True),
+}
+
+
+def run_variant(name: str, args: argparse.Namespace, storage: str) -> dict[str, Any]:
+    cfg, sync = VARIANTS[name]
+    result = PSTrainer(
+        bench_loop,
+        ps_config=cfg,
+        train_loop_config={
+            "sync": sync,
+            "width": args.width,
+            "steps": args.steps,
+            "warmup": args.warmup,
+        },
+        scaling_config=ScalingConfig(
+            num_workers=args.workers, resources_per_worker={"CPU": 1}
+        ),
+        run_config=RunConfig(storage_path=storage, name=f"{name}-{time.time_ns()}"),
+    ).fit()
+    return dict(result.metrics)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--width", type=int, default=2048)
+    p.add_argument("--quick", action="store_true", help="1 round, 10 steps, width 512")
+    p.add_argument("--out", default="benchmarks/results/step_time.json")
+    args = p.parse_args()
+    if args.quick:
+        args.rounds, args.steps, args.width = 1, 10, 512
+
+    ray.init(num_cpus=args.workers, include_dashboard=False, log_to_driver=False)
+    rounds: list[dict[str, dict[str, Any]]] = []
+    with tempfile.TemporaryDirectory() as storage:
+        for r in range(args.rounds):
+            rounds.append({name: run_variant(name, args, storage) for name in VARIANTS})
+            row = rounds[-1]
+            print(
+                f"round {r + 1}: "
+                + ", ".join(f"{k} {v['median_step_s'] * 1e3:.1f} ms" for k, v in row.items()),
+                flush=True,
+            )
+    ray.shutdown()
+
+    def med(name: str) -> float:
+        return statistics.median(x[name]["median_step_s"] for x in rounds)
+
+    def ratio(a: str, b: str) -> float:
+        return statistics.median(x[a]["median_step_s"] / x[b]["median_step_s"] for x in rounds)
+
+    ps = rounds[-1]["ps_sync"]
+    bytes_per_step = ps["bytes_moved"] / max(1, ps["steps_synced"])
+    minimum = 2 * ps["model_bytes"]
+    summary = {
+        "date": date.today().isoformat(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
+        "torch": torch.__version__,
+        "ray": ray.__version__,
+        "args": vars(args),
+        "median_step_ms": {k: med(k) * 1e3 for k in VARIANTS},
+        "ratio_ps_to_ddp": ratio("ps_sync", "ddp"),
+        "ratio_ddp_to_compute": ratio("ddp", "compute"),
+        "ratio_ps_to_compute": ratio("ps_sync", "compute"),
+        "ps_bytes_per_worker_step": bytes_per_step,
+        "min_bytes_per_worker_step": minimum,
+        "bytes_over_minimum": bytes_per_step / minimum,
+        "rounds": rounds,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=2))
+
+    print("\n| variant | median step (ms) | ratio to DDP (median of rounds) |")
+    print("|---|---|---|")
+    for k in VARIANTS:
+        r = ratio(k, "ddp")
+        print(f"| {k} | {med(k) * 1e3:.1f} | {r:.2f}x |")
+    print(
+        f"\nbytes per worker per step (PS): {bytes_per_step / 1e6:.2f} MB; minimum "
+        f"(push + pull of one model): {minimum / 1e6:.2f} MB; ratio {bytes_per_step / minimum:.3f}"
+    )
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
