@@ -64,10 +64,10 @@ class PSBackend(_TorchBackend):
         self._servers: list[Any] = []
 
     def on_start(self, worker_group: Any, backend_config: PSConfig) -> None:
-        # The torch process group stays: DDP's constructor broadcasts rank 0's
-        # parameters and buffers through it so all workers start identical.
-        super().on_start(worker_group, backend_config)
         try:
+            # The torch process group stays: DDP's constructor broadcasts rank 0's
+            # parameters and buffers through it so all workers start identical.
+            super().on_start(worker_group, backend_config)
             self._start_servers(worker_group, backend_config)
         except BaseException:
             # Ray calls no on_shutdown when on_start raises (BRIEF §3): undo here.
@@ -85,6 +85,7 @@ class PSBackend(_TorchBackend):
                     scheduling_strategy=strategy,
                     name=None,
                     max_restarts=0,
+                    max_concurrency=_worker.SHARD_MAX_CONCURRENCY,
                 ).remote(i, num_workers, cfg.ps_timeout_s)
             )
         try:

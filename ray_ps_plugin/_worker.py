@@ -274,6 +274,25 @@ class PSClient:
         self._thread.join(self._timeout_s)
 
 
+# Each push occupies one of the shard actor's concurrent calls until every worker has
+# pushed that chunk, so a shard must admit all chunks of two steps from all workers.
+SHARD_MAX_CONCURRENCY = 4096
+
+
+def check_concurrency(layout: StreamLayout, world_size: int) -> None:
+    """Raises if a step has more in-flight pushes per shard than a shard admits."""
+    largest_share = max(b - a for a, b in zip(layout.bounds, layout.bounds[1:]))
+    # +1 per shard for the cut at each bucket boundary; generous: a few buckets.
+    chunks = -(-largest_share // layout.chunk_bytes) + 8
+    if 2 * world_size * chunks > SHARD_MAX_CONCURRENCY:
+        raise ValueError(
+            f"PSConfig.chunk_bytes={layout.chunk_bytes} cuts each shard's "
+            f"{largest_share} bytes into ~{chunks} chunks; with {world_size} workers "
+            f"that exceeds the {SHARD_MAX_CONCURRENCY} pushes a shard holds at once. "
+            "Raise chunk_bytes or num_servers."
+        )
+
+
 # --- per-process registry -----------------------------------------------------------
 # Set by the backend through worker_group.execute() on the actor's main thread and
 # read by the training thread of the same process.
@@ -345,9 +364,11 @@ class PSDistributedDataParallel(DistributedDataParallel):
         import ray.train
 
         ctx = ray.train.get_context()
+        layout = StreamLayout(trainable_bytes(module), len(info.servers), info.chunk_bytes)
+        check_concurrency(layout, ctx.get_world_size())
         client = PSClient(
             transport=RayTransport(info.servers),
-            layout=StreamLayout(trainable_bytes(module), len(info.servers), info.chunk_bytes),
+            layout=layout,
             num_servers=len(info.servers),
             world_rank=ctx.get_world_rank(),
             world_size=ctx.get_world_size(),

@@ -41,9 +41,10 @@ class PSConfig(TorchConfig):
             shards and several messages can be in flight at once. The default
             (16 MiB) is the measured optimum on a 2-core node, where every extra
             message costs more than the pipelining it buys (see docs/benchmarks.md).
-        ps_timeout_s: Bound, in seconds, on every wait for a server shard (a push
-            waiting for the other workers, a worker waiting for a sum, server start
-            and stop). A timeout raises an error naming the shard and the step.
+        ps_timeout_s: Bound, in seconds, on every wait for a server shard during
+            training (a push waiting for the other workers, a worker waiting for a
+            sum) and on handing the servers to the workers and taking them back. A
+            timeout raises an error naming the shard and the step.
         ps_start_timeout_s: Bound, in seconds, on starting the server shards (a new
             actor process can take several seconds on a busy node).
         backend: Torch process-group backend (see TorchConfig). The PS strategy still

@@ -80,3 +80,11 @@ def test_bucket_outside_stream_is_a_clear_error():
 def test_bad_sizes_raise(kwargs):
     with pytest.raises(ValueError):
         StreamLayout(**kwargs)
+
+
+def test_too_many_chunks_per_shard_is_refused_with_the_fix():
+    from ray_ps_plugin._worker import check_concurrency
+
+    check_concurrency(StreamLayout(23_000_000, 2, 16 << 20), world_size=2)
+    with pytest.raises(ValueError, match="Raise chunk_bytes"):
+        check_concurrency(StreamLayout(23_000_000, 2, 1024), world_size=2)
