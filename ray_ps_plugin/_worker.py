@@ -226,40 +226,41 @@ class PSClient:
         return fut
 
     def _complete_loop(self) -> None:
-        """Completes bucket futures in submission order (the order DDP waits in)."""
+        """Completes bucket futures in submission order (the order DDP waits in).
+
+        Every failure lands on the bucket's future, never kills this thread: DDP
+        waits on the future at the end of backward and would otherwise hang.
+        """
         while (item := self._queue.get()) is not None:
             try:
-                results = self._transport.wait(item.handles, self._timeout_s)
+                self._complete(item)
             except TimeoutError:
-                shards = sorted({p.shard for p in item.pieces})
                 item.future.set_exception(
                     PSTimeoutError(
-                        f"rank {self._rank}: step {item.step}: server shard(s) {shards} did "
-                        f"not answer within ps_timeout_s={self._timeout_s:g}s. A worker or "
-                        "shard is stuck or dead; raise PSConfig.ps_timeout_s if steps are "
-                        "legitimately slower."
+                        f"{self._where(item)} did not answer within ps_timeout_s="
+                        f"{self._timeout_s:g}s. A worker or shard is stuck or dead; raise "
+                        "PSConfig.ps_timeout_s if steps are legitimately slower."
                     )
                 )
-                continue
             except Exception as e:  # noqa: BLE001 - any failure must reach backward()
-                shards = sorted({p.shard for p in item.pieces})
-                item.future.set_exception(
-                    PSError(
-                        f"rank {self._rank}: step {item.step}: push to server shard(s) "
-                        f"{shards} failed: {e}"
-                    )
-                )
-                continue
-            nbytes = 0
-            for p, r in zip(item.pieces, results):
-                item.host[p.start : p.stop] = r
-                nbytes += r.nbytes
-            if item.bucket.is_cuda:
-                item.bucket.copy_(torch.from_numpy(item.host), non_blocking=False)
-            with self._lock:
-                self._stats.bytes_pulled += nbytes
-                self._stats.last_sync_s = time.perf_counter() - item.started
-            item.future.set_result(item.bucket)
+                item.future.set_exception(PSError(f"{self._where(item)} failed: {e}"))
+
+    def _where(self, item: _Pending) -> str:
+        shards = sorted({p.shard for p in item.pieces})
+        return f"rank {self._rank}: step {item.step}: server shard(s) {shards}"
+
+    def _complete(self, item: _Pending) -> None:
+        results = self._transport.wait(item.handles, self._timeout_s)
+        nbytes = 0
+        for p, r in zip(item.pieces, results):
+            item.host[p.start : p.stop] = r
+            nbytes += r.nbytes
+        if item.bucket.is_cuda:
+            item.bucket.copy_(torch.from_numpy(item.host), non_blocking=False)
+        with self._lock:
+            self._stats.bytes_pulled += nbytes
+            self._stats.last_sync_s = time.perf_counter() - item.started
+        item.future.set_result(item.bucket)
 
     def snapshot(self) -> PSStats:
         """A copy of the counters, safe to read from the training thread."""

@@ -81,3 +81,23 @@ def test_a_silent_peer_fails_backward_with_shard_and_step(loop):
     assert "PSTimeoutError" in repr(info.value) or isinstance(info.value, PSTimeoutError)
     for c in clients:
         c.close()
+
+
+def test_a_bad_reply_fails_the_future_instead_of_killing_the_thread(loop):
+    """A reply of the wrong size must surface in backward, and later buckets still work."""
+    import numpy as np
+
+    class BadOnce(FakeTransport):
+        calls = 0
+
+        def wait(self, handles, timeout_s):
+            BadOnce.calls += 1
+            out = super().wait(handles, timeout_s)
+            return [np.zeros(3, np.float32)] if BadOnce.calls == 1 else out
+
+    servers = [ShardServer(0, 1, 5.0)]
+    c = PSClient(BadOnce(loop, servers), StreamLayout(40, 1, 1024), 1, 0, 1, 5.0)
+    with pytest.raises(Exception, match=r"rank 0: step 1: server shard\(s\) \[0\] failed"):
+        c.hook(None, FakeBucket(0, torch.ones(10))).wait()
+    torch.testing.assert_close(c.hook(None, FakeBucket(0, torch.ones(10))).wait(), torch.ones(10))
+    c.close()
