@@ -77,7 +77,7 @@ def test_ps_context_reports_servers_bytes_and_balance(runs):
     assert m["ps_bytes_pushed"] == STEPS * m["trainable_bytes"] == m["ps_bytes_pulled"]
     per_shard = m["ps_per_shard"]
     share = m["ps_bytes_pushed"] / len(per_shard)
-    assert max(abs(b - share) for b in per_shard) <= 4096 * STEPS / STEPS  # one chunk
+    assert max(abs(b - share) for b in per_shard) <= 4096  # within one chunk (4096 B)
 
     m3 = runs["ps_torch_config"].metrics
     assert m3["ps_num_servers"] == 3 and len(m3["ps_per_shard"]) == 3
