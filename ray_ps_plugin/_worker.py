@@ -161,8 +161,7 @@ class PSClient:
 
     Args:
         transport: How chunks reach the shards.
-        layout: Where each chunk goes.
-        num_servers: Number of shards.
+        layout: Where each chunk goes (and so how many shards there are).
         world_rank: This worker's rank.
         world_size: Number of workers.
         timeout_s: Bound on every wait for a shard.
@@ -172,7 +171,6 @@ class PSClient:
         self,
         transport: Transport,
         layout: StreamLayout,
-        num_servers: int,
         world_rank: int,
         world_size: int,
         timeout_s: float,
@@ -184,7 +182,7 @@ class PSClient:
         self._timeout_s = timeout_s
         self._stream_offset = 0
         self._lock = threading.Lock()
-        self._stats = PSStats(bytes_pushed_per_shard=[0] * num_servers)
+        self._stats = PSStats(bytes_pushed_per_shard=[0] * layout.num_shards)
         self._queue: "queue.Queue[_Pending | None]" = queue.Queue()
         self._thread = threading.Thread(
             target=self._complete_loop, name=f"ps-comm-rank{world_rank}", daemon=True
@@ -283,7 +281,8 @@ SHARD_MAX_CONCURRENCY = 4096
 def check_concurrency(layout: StreamLayout, world_size: int) -> None:
     """Raises if a step has more in-flight pushes per shard than a shard admits."""
     largest_share = max(b - a for a, b in zip(layout.bounds, layout.bounds[1:]))
-    # +1 per shard for the cut at each bucket boundary; generous: a few buckets.
+    # Bucket boundaries add one extra cut each; +8 allows for a handful of buckets
+    # falling inside one shard's range.
     chunks = -(-largest_share // layout.chunk_bytes) + 8
     if 2 * world_size * chunks > SHARD_MAX_CONCURRENCY:
         raise ValueError(
@@ -311,6 +310,10 @@ def uninstall_run() -> None:
     """Called by the backend on shutdown: stops communication threads."""
     global _RUN
     _RUN = None
+    _close_clients()
+
+
+def _close_clients() -> None:
     while _CLIENTS:
         _CLIENTS.pop().close()
 
@@ -370,7 +373,6 @@ class PSDistributedDataParallel(DistributedDataParallel):
         client = PSClient(
             transport=RayTransport(info.servers),
             layout=layout,
-            num_servers=len(info.servers),
             world_rank=ctx.get_world_rank(),
             world_size=ctx.get_world_size(),
             timeout_s=info.timeout_s,
@@ -428,7 +430,6 @@ class PSTrainFuncContext:
         for mod, original in self._saved:
             mod.DistributedDataParallel = original
         self._saved.clear()
-        while _CLIENTS:
-            _CLIENTS.pop().close()
+        _close_clients()
         self._base.__exit__(exc_type, exc, tb)
         return False

@@ -24,7 +24,7 @@ def _clients(loop, world_size, num_servers, total_bytes, chunk_bytes, timeout_s=
     transport = FakeTransport(loop, servers)
     layout = StreamLayout(total_bytes, num_servers, chunk_bytes)
     clients = [
-        PSClient(transport, layout, num_servers, r, world_size, timeout_s)
+        PSClient(transport, layout, r, world_size, timeout_s)
         for r in range(world_size)
     ]
     return clients, transport
@@ -96,7 +96,7 @@ def test_a_bad_reply_fails_the_future_instead_of_killing_the_thread(loop):
             return [np.zeros(3, np.float32)] if BadOnce.calls == 1 else out
 
     servers = [ShardServer(0, 1, 5.0)]
-    c = PSClient(BadOnce(loop, servers), StreamLayout(40, 1, 1024), 1, 0, 1, 5.0)
+    c = PSClient(BadOnce(loop, servers), StreamLayout(40, 1, 1024), 0, 1, 5.0)
     with pytest.raises(Exception, match=r"rank 0: step 1: server shard\(s\) \[0\] failed"):
         c.hook(None, FakeBucket(0, torch.ones(10))).wait()
     torch.testing.assert_close(c.hook(None, FakeBucket(0, torch.ones(10))).wait(), torch.ones(10))
