@@ -17,13 +17,24 @@ from ray.util.scheduling_strategies import (
 )
 
 from ray_ps_plugin import _worker
+from ray_ps_plugin._param_server import ParamShardServer
 from ray_ps_plugin._server import ShardServer
 from ray_ps_plugin.config import PSConfig
 
 logger = logging.getLogger(__name__)
 
 # Shards are asyncio actors: one event-loop thread, many pushes waiting at once.
-_ShardActor = ray.remote(ShardServer)
+# Sync mode sums gradients; async and ssp own the parameters.
+_SumShard = ray.remote(ShardServer)
+_ParamShard = ray.remote(ParamShardServer)
+
+
+def _shard_actor(cfg: PSConfig, shard: int, num_workers: int) -> tuple[Any, tuple[Any, ...]]:
+    """The actor class of ``cfg.mode`` and its constructor arguments."""
+    if cfg.mode == "sync":
+        return _SumShard, (shard, num_workers, cfg.ps_timeout_s)
+    staleness = cfg.staleness if cfg.mode == "ssp" else None
+    return _ParamShard, (shard, num_workers, staleness, cfg.ps_timeout_s)
 
 
 def _placements(worker_group: Any, num_servers: int) -> list[Any]:
@@ -79,14 +90,15 @@ class PSBackend(_TorchBackend):
         num_workers = len(worker_group)
         num_servers = cfg.num_servers or num_workers
         for i, strategy in enumerate(_placements(worker_group, num_servers)):
+            actor_cls, args = _shard_actor(cfg, i, num_workers)
             self._servers.append(
-                _ShardActor.options(
+                actor_cls.options(
                     num_cpus=0,
                     scheduling_strategy=strategy,
                     name=None,
                     max_restarts=0,
                     max_concurrency=_worker.SHARD_MAX_CONCURRENCY,
-                ).remote(i, num_workers, cfg.ps_timeout_s)
+                ).remote(*args)
             )
         try:
             ready = ray.get(
@@ -103,6 +115,7 @@ class PSBackend(_TorchBackend):
             mode=cfg.mode,
             chunk_bytes=cfg.chunk_bytes,
             timeout_s=cfg.ps_timeout_s,
+            staleness=cfg.staleness if cfg.mode == "ssp" else None,
         )
         ray.get(worker_group.execute_async(_worker.install_run, info), timeout=cfg.ps_timeout_s)
         logger.info("Started %d parameter-server shard(s) for %d workers.", num_servers, num_workers)

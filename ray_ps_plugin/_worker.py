@@ -22,6 +22,7 @@ function starts (:func:`install_run`); the training function's context
 """
 
 import dataclasses
+import logging
 import queue
 import threading
 import time
@@ -33,8 +34,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from ray_ps_plugin._errors import PSError, PSTimeoutError
 from ray_ps_plugin._layout import Piece, StreamLayout
+from ray_ps_plugin._stale import RayStaleTransport, StaleClient
+from ray_ps_plugin._stats import PSStats
 
 if TYPE_CHECKING:
     from ray_ps_plugin.config import PSConfig
@@ -43,18 +48,11 @@ __all__ = [
     "PSContext",
     "PSDistributedDataParallel",
     "PSError",
+    "PSStats",
     "PSTimeoutError",
     "RunInfo",
     "get_ps_context",
 ]
-
-
-class PSError(RuntimeError):
-    """A parameter-server operation failed; the message names the shard and step."""
-
-
-class PSTimeoutError(PSError, TimeoutError):
-    """A server shard did not answer within ``PSConfig.ps_timeout_s``."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +65,7 @@ class RunInfo:
         mode: Consistency mode ("sync", "async" or "ssp").
         chunk_bytes: Largest chunk per message.
         timeout_s: Bound on every wait for a shard.
+        staleness: The ssp bound; ``None`` in the other modes.
     """
 
     servers: Sequence[Any]
@@ -74,18 +73,7 @@ class RunInfo:
     mode: str
     chunk_bytes: int
     timeout_s: float
-
-
-@dataclass
-class PSStats:
-    """Live counters of one worker, since its model was prepared."""
-
-    steps: int = 0
-    bytes_pushed: int = 0
-    bytes_pulled: int = 0
-    pushes: int = 0
-    bytes_pushed_per_shard: list[int] = field(default_factory=list)
-    last_sync_s: float = 0.0
+    staleness: int | None = None
 
 
 @dataclass(frozen=True)
@@ -105,7 +93,9 @@ class PSContext:
     server_node_ids: tuple[str, ...]
     world_rank: int
     world_size: int
-    _client: "PSClient | None" = dataclasses.field(default=None, repr=False, compare=False)
+    _client: "PSClient | StaleClient | None" = dataclasses.field(
+        default=None, repr=False, compare=False
+    )
 
     @property
     def stats(self) -> PSStats:
@@ -113,6 +103,20 @@ class PSContext:
         if self._client is None:
             return PSStats(bytes_pushed_per_shard=[0] * self.num_servers)
         return self._client.snapshot()
+
+    def flush(self) -> None:
+        """Waits until this worker's updates are applied on every shard (async/ssp).
+
+        In sync mode every step is already complete when ``backward()`` returns, so
+        this returns at once. For a final checkpoint holding every worker's last
+        update, call ``flush()`` on all workers, then ``ray.train.collective.barrier()``,
+        then save ``model.module.state_dict()`` on rank 0.
+
+        Raises:
+            PSTimeoutError: If a shard does not confirm within ``ps_timeout_s``.
+        """
+        if isinstance(self._client, StaleClient):
+            self._client.flush()
 
 
 class Transport(Protocol):
@@ -297,7 +301,7 @@ def check_concurrency(layout: StreamLayout, world_size: int) -> None:
 # Set by the backend through worker_group.execute() on the actor's main thread and
 # read by the training thread of the same process.
 _RUN: RunInfo | None = None
-_CLIENTS: list[PSClient] = []
+_CLIENTS: "list[PSClient | StaleClient]" = []
 
 
 def install_run(info: RunInfo) -> None:
@@ -316,6 +320,25 @@ def uninstall_run() -> None:
 def _close_clients() -> None:
     while _CLIENTS:
         _CLIENTS.pop().close()
+
+
+def _finish_clients(raising: bool) -> None:
+    """Confirms every async/ssp worker's last update before the loop's end counts.
+
+    Without this a worker could return while its final push is still in flight,
+    and the update would be lost silently. After a failure in the user's code the
+    original error matters more, so a second one is only logged.
+    """
+    for client in _CLIENTS:
+        if isinstance(client, StaleClient):
+            try:
+                client.finish()
+            except Exception:
+                if raising:
+                    raise
+                logging.getLogger(__name__).warning(
+                    "Could not confirm the last update after a failure.", exc_info=True
+                )
 
 
 def get_ps_context() -> PSContext | None:
@@ -347,38 +370,95 @@ def trainable_bytes(module: torch.nn.Module) -> int:
 
 
 class PSDistributedDataParallel(DistributedDataParallel):
-    """``DistributedDataParallel`` whose gradient reduction goes through the servers.
+    """``DistributedDataParallel`` whose synchronisation goes through the servers.
 
     It *is* a ``DistributedDataParallel`` (``isinstance`` checks, ``.module``,
-    ``no_sync()``, ``find_unused_parameters`` and DDP's bucketing and overlap all
-    behave as usual); only the per-bucket all-reduce is replaced by a DDP
-    communication hook that pushes chunks to the server shards and pulls their sum.
-    DDP's constructor still broadcasts rank 0's parameters and buffers, so every
-    worker starts from identical state.
+    ``no_sync()``); DDP's constructor still broadcasts rank 0's parameters and
+    buffers, so every worker starts from identical state. Then, by mode:
+
+    - ``"sync"``: DDP's bucketing and its overlap with backward stay; only the
+      per-bucket all-reduce is replaced by a communication hook that pushes chunks
+      to the shards and pulls their sum.
+    - ``"async"``/``"ssp"``: DDP's gradient reduction is bypassed (forward calls
+      the module directly, so DDP's reducer never arms and no collective runs); a
+      :class:`~ray_ps_plugin._stale.StaleClient` installs server parameters before
+      forward and pushes each optimizer step's delta. ``state_dict()`` of the
+      wrapped module first pulls the shards' current parameters.
     """
 
     def __init__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
-        super().__init__(module, *args, **kwargs)
         info = _RUN
         if info is None:
             raise RuntimeError(
                 "PSDistributedDataParallel needs a running PS backend; use it through "
                 "PSTrainer or TorchTrainer(torch_config=PSConfig(strategy='ps'))."
             )
+        super().__init__(module, *args, **kwargs)
         import ray.train
 
         ctx = ray.train.get_context()
-        layout = StreamLayout(trainable_bytes(module), len(info.servers), info.chunk_bytes)
-        check_concurrency(layout, ctx.get_world_size())
-        client = PSClient(
-            transport=RayTransport(info.servers),
-            layout=layout,
-            world_rank=ctx.get_world_rank(),
-            world_size=ctx.get_world_size(),
+        rank, world = ctx.get_world_rank(), ctx.get_world_size()
+        self._ps_stale: StaleClient | None = None
+        if info.mode == "sync":
+            layout = StreamLayout(trainable_bytes(module), len(info.servers), info.chunk_bytes)
+            check_concurrency(layout, world)
+            client = PSClient(
+                transport=RayTransport(info.servers),
+                layout=layout,
+                world_rank=rank,
+                world_size=world,
+                timeout_s=info.timeout_s,
+            )
+            _CLIENTS.append(client)
+            self.register_comm_hook(None, client.hook)
+            return
+        stale = StaleClient(
+            transport=RayStaleTransport(info.servers),
+            params=[p for p in module.parameters() if p.requires_grad],
+            num_shards=len(info.servers),
+            world_rank=rank,
+            world_size=world,
+            staleness=info.staleness,
             timeout_s=info.timeout_s,
         )
-        _CLIENTS.append(client)
-        self.register_comm_hook(None, client.hook)
+        _CLIENTS.append(stale)
+        _ensure_optimizer_hook()
+        stale.start()
+        self._ps_stale = stale
+        # Checkpoints written the usual way hold the servers' parameters.
+        module.register_state_dict_pre_hook(lambda *_: stale.sync())
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self._ps_stale is None:
+            return super().forward(*inputs, **kwargs)
+        self._ps_stale.before_forward()
+        return self.module(*inputs, **kwargs)
+
+
+# One process-wide optimizer hook serves every async/ssp model of the worker: the
+# user's optimizer is created after prepare_model and never passes through us.
+_OPTIMIZER_HOOK: Any = None
+
+
+def _ensure_optimizer_hook() -> None:
+    global _OPTIMIZER_HOOK
+    if _OPTIMIZER_HOOK is None:
+        _OPTIMIZER_HOOK = register_optimizer_step_post_hook(
+            _after_optimizer_step
+        )
+
+
+def _remove_optimizer_hook() -> None:
+    global _OPTIMIZER_HOOK
+    if _OPTIMIZER_HOOK is not None:
+        _OPTIMIZER_HOOK.remove()
+        _OPTIMIZER_HOOK = None
+
+
+def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for client in _CLIENTS:
+        if isinstance(client, StaleClient) and client.owns(optimizer):
+            client.after_step()
 
 
 def _prepare_model_modules() -> list[Any]:
@@ -430,6 +510,10 @@ class PSTrainFuncContext:
         for mod, original in self._saved:
             mod.DistributedDataParallel = original
         self._saved.clear()
-        _close_clients()
-        self._base.__exit__(exc_type, exc, tb)
+        try:
+            _finish_clients(raising=exc_type is None)
+        finally:
+            _remove_optimizer_hook()
+            _close_clients()
+            self._base.__exit__(exc_type, exc, tb)
         return False

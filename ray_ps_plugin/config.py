@@ -13,9 +13,6 @@ __all__ = ["PSConfig", "STRATEGIES", "MODES"]
 
 STRATEGIES = ("ddp", "ps")
 MODES = ("sync", "async", "ssp")
-# Modes whose implementation has landed; the others are accepted by the contract
-# (BRIEF §2) but refused with a clear error until they are built.
-_AVAILABLE_MODES = ("sync",)
 
 
 @dataclass
@@ -56,7 +53,6 @@ class PSConfig(TorchConfig):
     Raises:
         ValueError: If a field is out of range or names an unknown strategy or mode.
         TypeError: If a field has the wrong type.
-        NotImplementedError: For a mode the installed version does not provide yet.
     """
 
     strategy: str = "ps"
@@ -81,11 +77,6 @@ class PSConfig(TorchConfig):
         _check_int("chunk_bytes", self.chunk_bytes, minimum=1024)
         _check_seconds("ps_timeout_s", self.ps_timeout_s)
         _check_seconds("ps_start_timeout_s", self.ps_start_timeout_s)
-        if self.strategy == "ps" and self.mode not in _AVAILABLE_MODES:
-            raise NotImplementedError(
-                f"PSConfig(mode={self.mode!r}) is not available in this version of "
-                f"ray_ps_plugin; use one of {_AVAILABLE_MODES}."
-            )
 
     @property
     def backend_cls(self) -> type[_TorchBackend]:

@@ -22,6 +22,13 @@ class LoopThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def stop(self) -> None:
+        async def cancel_pending() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        self.run(cancel_pending()).result(5)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
 
@@ -57,3 +64,57 @@ class FakeBucket:
 
     def buffer(self) -> torch.Tensor:
         return self._tensor
+
+
+class FakeStaleTransport:
+    """Drives ParamShardServer coroutines directly, with a gate to delay replies.
+
+    While ``hold()`` is in force, push_pull replies wait on the loop, which lets a
+    test see a worker run ahead of its replies.
+    """
+
+    def __init__(self, loop: LoopThread, servers) -> None:
+        self.loop = loop
+        self.servers = servers
+        self.calls: list[tuple] = []
+        self._gate = asyncio.Event()
+        self.loop.loop.call_soon_threadsafe(self._gate.set)
+
+    def hold(self) -> None:
+        self.loop.run(self._clear()).result(5)
+
+    def release(self) -> None:
+        self.loop.loop.call_soon_threadsafe(self._gate.set)
+
+    async def _clear(self) -> None:
+        self._gate.clear()
+
+    async def _gated(self, coro):
+        await self._gate.wait()
+        arr, clocks, slowest = await coro
+        return arr.copy(), clocks, slowest
+
+    def init(self, shard, params):
+        self.calls.append(("init", shard, params.size))
+        return self.loop.run(self.servers[shard].init(params.copy()))
+
+    def push_pull(self, shard, rank, clock, delta):
+        self.calls.append(("push_pull", shard, rank, clock, delta.size))
+        return self.loop.run(self._gated(self.servers[shard].push_pull(rank, clock, delta.copy())))
+
+    def pull(self, shard, rank, clock):
+        self.calls.append(("pull", shard, rank, clock))
+        return self.loop.run(self._gated(self.servers[shard].pull(rank, clock)))
+
+    def finish(self, shard, rank):
+        self.calls.append(("finish", shard, rank))
+        return self.loop.run(self.servers[shard].finish(rank))
+
+    def done(self, handles) -> bool:
+        return all(h.done() for h in handles)
+
+    def wait(self, handles, timeout_s):
+        try:
+            return [h.result(timeout=timeout_s) for h in handles]
+        except FutureTimeout as e:
+            raise TimeoutError("fake wait timed out") from e

@@ -1,0 +1,144 @@
+"""ParamShardServer: ownership, clocks, duplicates and the staleness bound."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from ray_ps_plugin._param_server import ParamShardServer
+from ray_ps_plugin._server import ShardProtocolError, ShardTimeoutError
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def _arr(*values):
+    return np.array(values, dtype=np.float32)
+
+
+def test_updates_are_averaged_into_the_owned_parameters():
+    async def main():
+        s = ParamShardServer(0, num_workers=2, staleness=None, timeout_s=5)
+        assert await s.init(_arr(1, 1, 1))
+        assert not await s.init(_arr(9, 9, 9))  # only the first init counts
+        await s.push_pull(0, 1, _arr(2, 0, 0))
+        params, clocks, slowest = await s.push_pull(1, 1, _arr(0, 4, 0))
+        return params, clocks, slowest
+
+    params, clocks, slowest = _run(main())
+    np.testing.assert_array_equal(params, _arr(2, 3, 1))  # 1 + delta / 2
+    assert clocks == (1, 1) and slowest == 1
+
+
+def test_a_duplicated_push_is_applied_once():
+    async def main():
+        s = ParamShardServer(0, num_workers=2, staleness=None, timeout_s=5)
+        await s.init(_arr(0, 0))
+        await s.push_pull(0, 1, _arr(2, 2))
+        params, clocks, _ = await s.push_pull(0, 1, _arr(2, 2))  # redelivered
+        return params, clocks, s.stats()
+
+    params, clocks, stats = _run(main())
+    np.testing.assert_array_equal(params, _arr(1, 1))
+    assert clocks == (1, 0)
+    assert stats["pushes"] == 1 and stats["duplicates"] == 1
+
+
+def test_a_missing_update_is_an_error_not_a_silent_gap():
+    async def main():
+        s = ParamShardServer(3, num_workers=1, staleness=None, timeout_s=5)
+        await s.init(_arr(0))
+        await s.push_pull(0, 1, _arr(1))
+        await s.push_pull(0, 3, _arr(1))
+
+    with pytest.raises(ShardProtocolError, match=r"shard 3: rank 0 .* clock 3 .* 2\.\.2 are missing"):
+        _run(main())
+
+
+def test_a_slice_of_another_shape_names_the_model_mismatch():
+    async def main():
+        s = ParamShardServer(0, num_workers=2, staleness=None, timeout_s=5)
+        await s.init(_arr(0, 0))
+        await s.push_pull(1, 1, _arr(1, 1, 1))
+
+    with pytest.raises(ShardProtocolError, match="models differ"):
+        _run(main())
+
+
+def test_pushes_wait_for_the_initial_parameters_with_a_bound():
+    async def main():
+        s = ParamShardServer(0, num_workers=2, staleness=None, timeout_s=0.2)
+        await s.push_pull(1, 1, _arr(1))
+
+    with pytest.raises(ShardTimeoutError, match="rank 0's initial parameters"):
+        _run(main())
+
+
+def test_ssp_holds_a_reader_until_the_slowest_is_within_the_bound():
+    async def main():
+        s = ParamShardServer(0, num_workers=2, staleness=1, timeout_s=5)
+        await s.init(_arr(0))
+        await s.push_pull(0, 1, _arr(2))  # clock 1, slowest 0: gap 1 <= 1, answered
+        fast = asyncio.ensure_future(s.push_pull(0, 2, _arr(2)))  # gap 2 > 1: waits
+        await asyncio.sleep(0.05)
+        waited = not fast.done()
+        await s.push_pull(1, 1, _arr(2))  # slowest reaches 1
+        params, clocks, slowest = await asyncio.wait_for(fast, 1)
+        return waited, params, clocks, slowest, s.reads()
+
+    waited, params, clocks, slowest, reads = _run(main())
+    assert waited
+    assert clocks == (2, 1) and slowest == 1
+    np.testing.assert_array_equal(params, _arr(3))
+    assert all(clock - included <= 1 for _, clock, included in reads)
+
+
+def test_ssp_zero_is_bulk_synchronous():
+    async def main():
+        s = ParamShardServer(0, num_workers=2, staleness=0, timeout_s=5)
+        await s.init(_arr(0))
+        a = asyncio.ensure_future(s.push_pull(0, 1, _arr(2)))
+        await asyncio.sleep(0.05)
+        assert not a.done()
+        b = await s.push_pull(1, 1, _arr(4))
+        return (await a)[0], b[0]
+
+    a, b = _run(main())
+    np.testing.assert_array_equal(a, _arr(3))
+    np.testing.assert_array_equal(a, b)  # both see both updates
+
+
+def test_ssp_timeout_names_the_slow_worker_and_its_clock():
+    async def main():
+        s = ParamShardServer(1, num_workers=3, staleness=0, timeout_s=0.2)
+        await s.init(_arr(0))
+        await asyncio.gather(s.push_pull(2, 1, _arr(1)), s.push_pull(0, 1, _arr(1)))
+
+    with pytest.raises(ShardTimeoutError, match=r"shard 1: rank \d at clock 1 .* workers \[1\] \(clocks \{1: 0\}\)"):
+        _run(main())
+
+
+def test_a_finished_worker_no_longer_holds_the_others_back():
+    async def main():
+        s = ParamShardServer(0, num_workers=2, staleness=0, timeout_s=5)
+        await s.init(_arr(0))
+        waiting = asyncio.ensure_future(s.push_pull(0, 1, _arr(2)))
+        await asyncio.sleep(0.05)
+        await s.finish(1)
+        return await asyncio.wait_for(waiting, 1)
+
+    params, clocks, slowest = _run(main())
+    np.testing.assert_array_equal(params, _arr(1))
+    assert clocks == (1, 0) and slowest == 1
+
+
+def test_a_reply_is_a_snapshot_later_updates_do_not_change():
+    async def main():
+        s = ParamShardServer(0, num_workers=1, staleness=None, timeout_s=5)
+        await s.init(_arr(0))
+        first, _, _ = await s.push_pull(0, 1, _arr(1))
+        await s.push_pull(0, 2, _arr(1))
+        return first
+
+    np.testing.assert_array_equal(_run(main()), _arr(1))

@@ -1,0 +1,184 @@
+"""StaleClient (async/ssp worker side) against real ParamShardServers, no Ray."""
+
+import logging
+import threading
+
+import pytest
+import torch
+
+from ray_ps_plugin._errors import PSTimeoutError
+from ray_ps_plugin._param_server import ParamShardServer
+from ray_ps_plugin._stale import StaleClient, split_bounds
+
+from tests.unit.fakes import FakeStaleTransport, LoopThread
+
+
+@pytest.fixture
+def loop():
+    lt = LoopThread()
+    yield lt
+    lt.stop()
+
+
+def _models(world, seed=0):
+    torch.manual_seed(seed)
+    template = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
+    models = [torch.nn.Sequential(*[type(m)(*()) if isinstance(m, torch.nn.ReLU) else
+                                   torch.nn.Linear(m.in_features, m.out_features) for m in template])
+              for _ in range(world)]
+    for m in models:  # identical start, as after DDP's broadcast
+        m.load_state_dict(template.state_dict())
+    return models
+
+
+def _setup(loop, world, shards, staleness, timeout_s=5.0):
+    servers = [ParamShardServer(i, world, staleness, timeout_s) for i in range(shards)]
+    transport = FakeStaleTransport(loop, servers)
+    models = _models(world)
+    clients = [
+        StaleClient(transport, list(m.parameters()), shards, r, world, staleness, timeout_s)
+        for r, m in enumerate(models)
+    ]
+    for c in clients:
+        c.start()
+    return servers, transport, models, clients
+
+
+def _flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _sgd_step(model, opt, client, x, y):
+    client.before_forward()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    client.after_step()
+
+
+def test_split_bounds_covers_everything_evenly():
+    assert split_bounds(10, 3) == [0, 3, 6, 10]
+    assert split_bounds(2, 4) == [0, 0, 1, 1, 2]
+
+
+def test_ssp_zero_with_momentum_sgd_is_ddp_maths(loop):
+    """Bulk-synchronous (s=0) + SGD momentum: the servers end where DDP would."""
+    world, steps, lr = 2, 6, 0.1
+    _, _, models, clients = _setup(loop, world, shards=2, staleness=0)
+    reference = _models(1)[0]
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=lr, momentum=0.9)
+    opts = [torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9) for m in models]
+    data = [[(torch.randn(4, 5), torch.randn(4, 3)) for _ in range(world)] for _ in range(steps)]
+
+    def run(rank):
+        for step in range(steps):
+            _sgd_step(models[rank], opts[rank], clients[rank], *data[step][rank])
+        clients[rank].sync()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for step in range(steps):  # DDP: the mean gradient over workers, one optimizer
+        ref_opt.zero_grad()
+        for x, y in data[step]:
+            (torch.nn.functional.mse_loss(reference(x), y) / world).backward()
+        ref_opt.step()
+    for m in models:
+        torch.testing.assert_close(_flat(m), _flat(reference), atol=1e-5, rtol=0)
+    assert all(c.snapshot().staleness_max == 0 for c in clients)
+
+
+def test_async_worker_runs_ahead_on_its_own_copy_and_catches_up(loop):
+    _, transport, models, clients = _setup(loop, 2, shards=1, staleness=None)
+    model, client = models[0], clients[0]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(4, 5), torch.randn(4, 3)
+    transport.hold()
+    _sgd_step(model, opt, client, x, y)  # push of clock 1 held back
+    local = _flat(model).clone()
+    client.before_forward()  # reply not back: no wait, local copy kept
+    torch.testing.assert_close(_flat(model), local)
+    transport.release()
+    client._inflight.handles[0].result(5)  # the reply is back now
+    client.before_forward()
+    # Installed: the shard's parameters hold half of this worker's step (1/W).
+    start = _flat(_models(1)[0])
+    torch.testing.assert_close(_flat(model), start + (local - start) / 2)
+    stats = client.snapshot()
+    assert stats.clock == 1 and stats.clocks == [1, 0]
+    numel = sum(p.numel() for p in model.parameters())
+    assert stats.bytes_pushed == numel * 4 and stats.bytes_pulled == numel * 4
+
+
+def test_a_late_reply_is_merged_with_the_workers_own_next_step(loop):
+    _, transport, models, clients = _setup(loop, 2, shards=2, staleness=None)
+    model, client = models[0], clients[0]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(4, 5), torch.randn(4, 3)
+    start = _flat(model).clone()
+    transport.hold()
+    _sgd_step(model, opt, client, x, y)
+    first = _flat(model) - start
+    transport.release()  # the reply arrives, but only after the next forward started
+    client._inflight.handles[0].result(5)
+    client._inflight.handles[1].result(5)
+    before = _flat(model).clone()
+    loss = torch.nn.functional.mse_loss(model(x), y)  # no before_forward: "too late"
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    second = _flat(model) - before
+    client.after_step()
+    # Server after clock 1: start + first/2; the model trains on that + own step.
+    torch.testing.assert_close(_flat(model), start + first / 2 + second, atol=1e-6, rtol=0)
+    assert client.snapshot().clock == 2
+
+
+def test_ssp_waits_for_the_slowest_and_records_no_gap_beyond_the_bound(loop):
+    servers, _, models, clients = _setup(loop, 2, shards=1, staleness=1)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    x, y = torch.randn(4, 5), torch.randn(4, 3)
+    for _ in range(2):  # rank 0 runs two steps ahead
+        _sgd_step(models[0], opts[0], clients[0], x, y)
+    blocked = threading.Thread(target=clients[0].before_forward)
+    blocked.start()  # clock 2, slowest 0: must wait
+    blocked.join(0.3)
+    assert blocked.is_alive()
+    _sgd_step(models[1], opts[1], clients[1], x, y)
+    blocked.join(5)
+    assert not blocked.is_alive()
+    assert clients[0].snapshot().staleness_max <= 1
+    assert all(c - m <= 1 for _, c, m in servers[0].reads())
+
+
+def test_ssp_wait_is_bounded_and_names_the_rank(loop):
+    _, _, models, clients = _setup(loop, 2, shards=1, staleness=0, timeout_s=0.3)
+    opt = torch.optim.SGD(models[0].parameters(), lr=0.1)
+    x, y = torch.randn(4, 5), torch.randn(4, 3)
+    _sgd_step(models[0], opt, clients[0], x, y)
+    with pytest.raises(PSTimeoutError, match="rank 0: clock 1"):
+        clients[0].before_forward()
+
+
+def test_only_optimizers_of_the_model_trigger_a_push(loop):
+    _, _, models, clients = _setup(loop, 1, shards=1, staleness=None)
+    mine = torch.optim.SGD(models[0].parameters(), lr=0.1)
+    other = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    assert clients[0].owns(mine) and not clients[0].owns(other)
+
+
+def test_mixed_dtypes_are_refused_with_the_fix(loop):
+    params = [torch.zeros(2, requires_grad=True), torch.zeros(2, dtype=torch.float64)]
+    with pytest.raises(TypeError, match="single floating dtype.*model.float"):
+        StaleClient(FakeStaleTransport(loop, []), params, 1, 0, 1, None, 1.0)
+
+
+def test_forward_without_optimizer_step_warns_at_finish(loop, caplog):
+    _, _, _, clients = _setup(loop, 1, shards=1, staleness=None)
+    clients[0].before_forward()
+    with caplog.at_level(logging.WARNING):
+        clients[0].finish()
+    assert "no optimizer.step()" in caplog.text
