@@ -10,10 +10,11 @@ import pytest  # noqa: E402
 import ray  # noqa: E402
 from ray import cloudpickle  # noqa: E402
 
-from tests.integration import loops  # noqa: E402
+from tests.integration import digits, loops  # noqa: E402
 
 # Workers cannot import the tests package; ship the loops by value.
 cloudpickle.register_pickle_by_value(loops)
+cloudpickle.register_pickle_by_value(digits)
 
 
 @pytest.fixture(scope="session")
