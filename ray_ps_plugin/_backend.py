@@ -116,6 +116,7 @@ class PSBackend(_TorchBackend):
             chunk_bytes=cfg.chunk_bytes,
             timeout_s=cfg.ps_timeout_s,
             staleness=cfg.staleness if cfg.mode == "ssp" else None,
+            nan_policy=cfg.nan_policy,
         )
         ray.get(worker_group.execute_async(_worker.install_run, info), timeout=cfg.ps_timeout_s)
         logger.info("Started %d parameter-server shard(s) for %d workers.", num_servers, num_workers)

@@ -29,7 +29,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from ray_ps_plugin._errors import PSError, PSTimeoutError
+from ray_ps_plugin._errors import PSError, PSTimeoutError, WaitTimeout, failed_indices
+from ray_ps_plugin._nonfinite import NonFiniteGuard
 from ray_ps_plugin._stats import PSStats
 
 logger = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ class StaleTransport(Protocol):
         ...
 
     def wait(self, handles: list[Any], timeout_s: float) -> list[Any]:
-        """Waits for all results; raises ``TimeoutError`` after ``timeout_s``."""
+        """Waits for all results; raises ``WaitTimeout`` after ``timeout_s``."""
         ...
 
 
@@ -95,7 +96,7 @@ class RayStaleTransport:
         try:
             return ray.get(handles, timeout=timeout_s)
         except ray.exceptions.GetTimeoutError as e:
-            raise TimeoutError(str(e)) from e
+            raise WaitTimeout(str(e)) from e
 
 
 def split_bounds(numel: int, num_shards: int) -> list[int]:
@@ -122,6 +123,7 @@ class StaleClient:
         world_size: Number of workers.
         staleness: The ssp bound, or ``None`` for async (no bound).
         timeout_s: Bound on every wait for a shard.
+        nan_policy: ``PSConfig.nan_policy``, checked on the local gradients.
 
     Raises:
         TypeError: If the trainable parameters are not all of one floating dtype.
@@ -136,6 +138,7 @@ class StaleClient:
         world_size: int,
         staleness: int | None,
         timeout_s: float,
+        nan_policy: str = "raise",
     ) -> None:
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
@@ -147,7 +150,7 @@ class StaleClient:
             )
         self._transport = transport
         self._params = list(params)
-        self._ids = {id(p) for p in self._params}
+        self.guard = NonFiniteGuard(nan_policy, world_rank, self._params, check_local=True)
         self._rank = world_rank
         self._staleness = staleness
         self._timeout_s = timeout_s
@@ -165,7 +168,6 @@ class StaleClient:
         self._installed = True  # whether the newest reply is in the model
         self._counted_step = -1
         self._forwards = 0
-        self._owned_optimizers: dict[int, bool] = {}
         self._lock = threading.Lock()
         self._gaps_sum = 0
         self._samples = 0
@@ -185,12 +187,12 @@ class StaleClient:
 
     def owns(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer`` steps any of this model's trainable parameters."""
-        key = id(optimizer)
-        if key not in self._owned_optimizers:
-            self._owned_optimizers[key] = any(
-                id(p) in self._ids for g in optimizer.param_groups for p in g["params"]
-            )
-        return self._owned_optimizers[key]
+        return self.guard.owns(optimizer)
+
+    @property
+    def next_step(self) -> int:
+        """The clock the next update will complete."""
+        return self._clock + 1
 
     # --- the step ---------------------------------------------------------------
     def before_forward(self) -> None:
@@ -332,7 +334,7 @@ class StaleClient:
     def _wait(self, handles: list[Any], what: str) -> list[Any]:
         try:
             return self._transport.wait(handles, self._timeout_s)
-        except TimeoutError:
+        except WaitTimeout:
             raise PSTimeoutError(
                 f"rank {self._rank}: {what}: server shard(s) {list(range(self.num_shards))} "
                 f"did not answer within ps_timeout_s={self._timeout_s:g}s. A worker or "
@@ -340,7 +342,13 @@ class StaleClient:
                 "workers are legitimately this slow."
             ) from None
         except Exception as e:  # noqa: BLE001 - name the operation and shard
-            raise PSError(f"rank {self._rank}: {what} failed: {e}") from e
+            failed = failed_indices(self._transport.wait, handles)
+            # A shard's own timeout (e.g. ssp waiting for slow workers) stays a
+            # timeout, with the shard's message naming the workers it waited for.
+            error = PSTimeoutError if isinstance(e, TimeoutError) else PSError
+            raise error(
+                f"rank {self._rank}: {what}: server shard(s) {failed or 'unknown'} failed: {e}"
+            ) from e
 
     def snapshot(self) -> PSStats:
         """A copy of the counters, safe to read from any thread."""
@@ -349,6 +357,7 @@ class StaleClient:
                 self._stats,
                 bytes_pushed_per_shard=list(self._stats.bytes_pushed_per_shard),
                 clocks=list(self._stats.clocks),
+                skipped_steps=self.guard.skipped,
             )
 
     def close(self) -> None:

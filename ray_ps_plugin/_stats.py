@@ -22,6 +22,8 @@ class PSStats:
             worker whose updates were in the parameters it trained on (async/ssp).
         staleness_mean: Mean of that gap over this worker's steps.
         wait_s: Seconds this worker was blocked waiting for the shards (async/ssp).
+        skipped_steps: Optimizer steps dropped for NaN/Inf gradients
+            (``nan_policy="skip"``).
     """
 
     steps: int = 0
@@ -35,3 +37,4 @@ class PSStats:
     staleness_max: int = 0
     staleness_mean: float = 0.0
     wait_s: float = 0.0
+    skipped_steps: int = 0

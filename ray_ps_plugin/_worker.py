@@ -34,10 +34,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
-from ray_ps_plugin._errors import PSError, PSTimeoutError
+from ray_ps_plugin._errors import PSError, PSTimeoutError, WaitTimeout, failed_indices
 from ray_ps_plugin._layout import Piece, StreamLayout
+from ray_ps_plugin._nonfinite import NonFiniteGuard
 from ray_ps_plugin._stale import RayStaleTransport, StaleClient
 from ray_ps_plugin._stats import PSStats
 
@@ -66,6 +70,7 @@ class RunInfo:
         chunk_bytes: Largest chunk per message.
         timeout_s: Bound on every wait for a shard.
         staleness: The ssp bound; ``None`` in the other modes.
+        nan_policy: What a step with NaN/Inf gradients does.
     """
 
     servers: Sequence[Any]
@@ -74,6 +79,7 @@ class RunInfo:
     chunk_bytes: int
     timeout_s: float
     staleness: int | None = None
+    nan_policy: str = "raise"
 
 
 @dataclass(frozen=True)
@@ -127,7 +133,7 @@ class Transport(Protocol):
         ...
 
     def wait(self, handles: list[Any], timeout_s: float) -> list[np.ndarray]:
-        """Waits for all results; raises ``TimeoutError`` after ``timeout_s``."""
+        """Waits for all results; raises ``WaitTimeout`` after ``timeout_s``."""
         ...
 
 
@@ -146,7 +152,7 @@ class RayTransport:
         try:
             return ray.get(handles, timeout=timeout_s)
         except ray.exceptions.GetTimeoutError as e:
-            raise TimeoutError(str(e)) from e
+            raise WaitTimeout(str(e)) from e
 
 
 @dataclass
@@ -169,6 +175,7 @@ class PSClient:
         world_rank: This worker's rank.
         world_size: Number of workers.
         timeout_s: Bound on every wait for a shard.
+        guard: Applies ``nan_policy``; the comm thread flags non-finite sums to it.
     """
 
     def __init__(
@@ -178,7 +185,9 @@ class PSClient:
         world_rank: int,
         world_size: int,
         timeout_s: float,
+        guard: "NonFiniteGuard | None" = None,
     ) -> None:
+        self.guard = guard
         self._transport = transport
         self._layout = layout
         self._rank = world_rank
@@ -236,7 +245,7 @@ class PSClient:
         while (item := self._queue.get()) is not None:
             try:
                 self._complete(item)
-            except TimeoutError:
+            except WaitTimeout:
                 item.future.set_exception(
                     PSTimeoutError(
                         f"{self._where(item)} did not answer within ps_timeout_s="
@@ -245,10 +254,21 @@ class PSClient:
                     )
                 )
             except Exception as e:  # noqa: BLE001 - any failure must reach backward()
-                item.future.set_exception(PSError(f"{self._where(item)} failed: {e}"))
+                # A shard's own timeout names the workers it waited for; keep it one.
+                error = PSTimeoutError if isinstance(e, TimeoutError) else PSError
+                item.future.set_exception(
+                    error(f"{self._where(item, failed_only=True)} failed: {e}")
+                )
 
-    def _where(self, item: _Pending) -> str:
+    def _where(self, item: _Pending, failed_only: bool = False) -> str:
         shards = sorted({p.shard for p in item.pieces})
+        if failed_only:
+            # Name the shard(s) whose call failed (e.g. a dead actor), not every
+            # shard of the bucket: that is where to look.
+            failed = sorted(
+                {item.pieces[i].shard for i in failed_indices(self._transport.wait, item.handles)}
+            )
+            shards = failed or shards
         return f"rank {self._rank}: step {item.step}: server shard(s) {shards}"
 
     def _complete(self, item: _Pending) -> None:
@@ -259,6 +279,13 @@ class PSClient:
             nbytes += r.nbytes
         if item.bucket.is_cuda:
             item.bucket.copy_(torch.from_numpy(item.host), non_blocking=False)
+        if (
+            self.guard is not None
+            and self.guard.policy != "ignore"
+            and not np.isfinite(item.host).all()
+        ):
+            # Every worker holds the same sum, so every worker flags the same step.
+            self.guard.flag(item.step)
         with self._lock:
             self._stats.bytes_pulled += nbytes
             self._stats.last_sync_s = time.perf_counter() - item.started
@@ -268,8 +295,16 @@ class PSClient:
         """A copy of the counters, safe to read from the training thread."""
         with self._lock:
             return dataclasses.replace(
-                self._stats, bytes_pushed_per_shard=list(self._stats.bytes_pushed_per_shard)
+                self._stats,
+                bytes_pushed_per_shard=list(self._stats.bytes_pushed_per_shard),
+                clock=self._stats.steps,
+                skipped_steps=self.guard.skipped if self.guard else 0,
             )
+
+    @property
+    def next_step(self) -> int:
+        """The synchronisation round the optimizer is about to apply."""
+        return self._stats.steps
 
     def close(self) -> None:
         """Stops the communication thread (waits at most ``timeout_s``)."""
@@ -364,6 +399,25 @@ def get_ps_context() -> PSContext | None:
     )
 
 
+def check_supported(module: torch.nn.Module) -> None:
+    """Raises early for models the parameter servers cannot synchronise.
+
+    Raises:
+        ValueError: If a layer produces sparse gradients.
+    """
+    sparse = [
+        name
+        for name, m in module.named_modules()
+        if getattr(m, "sparse", False) is True and any(p.requires_grad for p in m.parameters())
+    ]
+    if sparse:
+        raise ValueError(
+            f"Layer(s) {sparse} produce sparse gradients, which the parameter-server "
+            "strategy does not support. Build them with sparse=False, or use "
+            "PSConfig(strategy='ddp')."
+        )
+
+
 def trainable_bytes(module: torch.nn.Module) -> int:
     """Bytes of one gradient of every parameter DDP synchronises."""
     return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
@@ -393,12 +447,15 @@ class PSDistributedDataParallel(DistributedDataParallel):
                 "PSDistributedDataParallel needs a running PS backend; use it through "
                 "PSTrainer or TorchTrainer(torch_config=PSConfig(strategy='ps'))."
             )
+        check_supported(module)
         super().__init__(module, *args, **kwargs)
         import ray.train
 
         ctx = ray.train.get_context()
         rank, world = ctx.get_world_rank(), ctx.get_world_size()
         self._ps_stale: StaleClient | None = None
+        params = [p for p in module.parameters() if p.requires_grad]
+        _ensure_optimizer_hooks()
         if info.mode == "sync":
             layout = StreamLayout(trainable_bytes(module), len(info.servers), info.chunk_bytes)
             check_concurrency(layout, world)
@@ -408,21 +465,22 @@ class PSDistributedDataParallel(DistributedDataParallel):
                 world_rank=rank,
                 world_size=world,
                 timeout_s=info.timeout_s,
+                guard=NonFiniteGuard(info.nan_policy, rank, params, check_local=False),
             )
             _CLIENTS.append(client)
             self.register_comm_hook(None, client.hook)
             return
         stale = StaleClient(
             transport=RayStaleTransport(info.servers),
-            params=[p for p in module.parameters() if p.requires_grad],
+            params=params,
             num_shards=len(info.servers),
             world_rank=rank,
             world_size=world,
             staleness=info.staleness,
             timeout_s=info.timeout_s,
+            nan_policy=info.nan_policy,
         )
         _CLIENTS.append(stale)
-        _ensure_optimizer_hook()
         stale.start()
         self._ps_stale = stale
         # Checkpoints written the usual way hold the servers' parameters.
@@ -435,24 +493,26 @@ class PSDistributedDataParallel(DistributedDataParallel):
         return self.module(*inputs, **kwargs)
 
 
-# One process-wide optimizer hook serves every async/ssp model of the worker: the
-# user's optimizer is created after prepare_model and never passes through us.
-_OPTIMIZER_HOOK: Any = None
+# Process-wide optimizer hooks serve every prepared model of the worker: the user's
+# optimizer is created after prepare_model and never passes through us.
+_OPTIMIZER_HOOKS: list[Any] = []
 
 
-def _ensure_optimizer_hook() -> None:
-    global _OPTIMIZER_HOOK
-    if _OPTIMIZER_HOOK is None:
-        _OPTIMIZER_HOOK = register_optimizer_step_post_hook(
-            _after_optimizer_step
-        )
+def _ensure_optimizer_hooks() -> None:
+    if not _OPTIMIZER_HOOKS:
+        _OPTIMIZER_HOOKS.append(register_optimizer_step_pre_hook(_before_optimizer_step))
+        _OPTIMIZER_HOOKS.append(register_optimizer_step_post_hook(_after_optimizer_step))
 
 
-def _remove_optimizer_hook() -> None:
-    global _OPTIMIZER_HOOK
-    if _OPTIMIZER_HOOK is not None:
-        _OPTIMIZER_HOOK.remove()
-        _OPTIMIZER_HOOK = None
+def _remove_optimizer_hooks() -> None:
+    while _OPTIMIZER_HOOKS:
+        _OPTIMIZER_HOOKS.pop().remove()
+
+
+def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for client in _CLIENTS:
+        if client.guard is not None and client.guard.owns(optimizer):
+            client.guard.before_step(client.next_step)
 
 
 def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -513,7 +573,7 @@ class PSTrainFuncContext:
         try:
             _finish_clients(raising=exc_type is None)
         finally:
-            _remove_optimizer_hook()
+            _remove_optimizer_hooks()
             _close_clients()
             self._base.__exit__(exc_type, exc, tb)
         return False

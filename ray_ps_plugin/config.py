@@ -9,7 +9,9 @@ from typing import Any
 
 from ray.train.torch.config import TorchConfig, TorchConfigContextManager, _TorchBackend
 
-__all__ = ["PSConfig", "STRATEGIES", "MODES"]
+from ray_ps_plugin._nonfinite import NAN_POLICIES
+
+__all__ = ["PSConfig", "STRATEGIES", "MODES", "NAN_POLICIES"]
 
 STRATEGIES = ("ddp", "ps")
 MODES = ("sync", "async", "ssp")
@@ -44,6 +46,9 @@ class PSConfig(TorchConfig):
             timeout raises an error naming the shard and the step.
         ps_start_timeout_s: Bound, in seconds, on starting the server shards (a new
             actor process can take several seconds on a busy node).
+        nan_policy: What a step whose gradients hold NaN or Inf does: ``"raise"``
+            (fail with an error naming rank and step), ``"skip"`` (the optimizer
+            step is dropped, with a warning) or ``"ignore"`` (no check, like DDP).
         backend: Torch process-group backend (see TorchConfig). The PS strategy still
             starts one, because DDP's constructor broadcasts rank 0's initial
             parameters and buffers through it.
@@ -62,6 +67,7 @@ class PSConfig(TorchConfig):
     chunk_bytes: int = 16 * 1024 * 1024
     ps_timeout_s: float = 120.0
     ps_start_timeout_s: float = 120.0
+    nan_policy: str = "raise"
 
     def __post_init__(self) -> None:
         _check_choice("strategy", self.strategy, STRATEGIES)
@@ -77,6 +83,7 @@ class PSConfig(TorchConfig):
         _check_int("chunk_bytes", self.chunk_bytes, minimum=1024)
         _check_seconds("ps_timeout_s", self.ps_timeout_s)
         _check_seconds("ps_start_timeout_s", self.ps_start_timeout_s)
+        _check_choice("nan_policy", self.nan_policy, NAN_POLICIES)
 
     @property
     def backend_cls(self) -> type[_TorchBackend]:
@@ -104,6 +111,7 @@ class PSConfig(TorchConfig):
             "chunk_bytes": self.chunk_bytes,
             "ps_timeout_s": self.ps_timeout_s,
             "ps_start_timeout_s": self.ps_start_timeout_s,
+            "nan_policy": self.nan_policy,
         }
 
 

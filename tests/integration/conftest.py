@@ -10,11 +10,12 @@ import pytest  # noqa: E402
 import ray  # noqa: E402
 from ray import cloudpickle  # noqa: E402
 
-from tests.integration import digits, loops  # noqa: E402
+from tests.integration import digits, faults, loops  # noqa: E402
 
 # Workers cannot import the tests package; ship the loops by value.
 cloudpickle.register_pickle_by_value(loops)
 cloudpickle.register_pickle_by_value(digits)
+cloudpickle.register_pickle_by_value(faults)
 
 
 @pytest.fixture(scope="session")

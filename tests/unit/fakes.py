@@ -7,6 +7,7 @@ from concurrent.futures import Future, TimeoutError as FutureTimeout
 import numpy as np
 import torch
 
+from ray_ps_plugin._errors import WaitTimeout
 from ray_ps_plugin._server import ShardServer
 
 
@@ -50,7 +51,7 @@ class FakeTransport:
             # Copy the replies: a real Ray reply is a fresh object-store value.
             return [np.array(h.result(timeout=timeout_s)) for h in handles]
         except FutureTimeout as e:
-            raise TimeoutError("fake wait timed out") from e
+            raise WaitTimeout("fake wait timed out") from e
 
 
 class FakeBucket:
@@ -117,4 +118,4 @@ class FakeStaleTransport:
         try:
             return [h.result(timeout=timeout_s) for h in handles]
         except FutureTimeout as e:
-            raise TimeoutError("fake wait timed out") from e
+            raise WaitTimeout("fake wait timed out") from e

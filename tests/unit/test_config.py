@@ -69,3 +69,9 @@ def test_pstrainer_is_a_torch_trainer_with_the_config():
 def test_every_mode_is_available(mode):
     cfg = PSConfig(mode=mode, staleness=2 if mode == "ssp" else 0)
     assert cfg.to_dict()["mode"] == mode
+
+
+def test_nan_policy_is_validated():
+    assert PSConfig(nan_policy="skip").to_dict()["nan_policy"] == "skip"
+    with pytest.raises(ValueError, match="nan_policy='drop' is unknown"):
+        PSConfig(nan_policy="drop")

@@ -1,0 +1,107 @@
+"""``PSConfig.nan_policy``: what a step with NaN or Inf gradients does.
+
+``"raise"`` fails the step with an error naming the rank and step; ``"skip"`` drops
+the step (the optimizer sees no gradients, so neither parameters nor optimizer state
+change) and logs a warning; ``"ignore"`` does nothing, like DDP.
+
+Where the check happens depends on the mode. In sync mode every worker holds the
+same summed gradient, so the communication thread checks the sums it receives and
+every worker reaches the same decision. In async/ssp mode each worker checks its own
+gradients before its optimizer steps; a skipped step pushes an empty delta.
+"""
+
+import logging
+import threading
+import weakref
+from collections.abc import Sequence
+
+import torch
+
+from ray_ps_plugin._errors import PSError
+
+__all__ = ["NAN_POLICIES", "NonFiniteGuard"]
+
+NAN_POLICIES = ("raise", "skip", "ignore")
+
+logger = logging.getLogger(__name__)
+
+
+class NonFiniteGuard:
+    """Applies the policy to one prepared model's optimizer steps.
+
+    Args:
+        policy: One of :data:`NAN_POLICIES`.
+        rank: This worker's rank, for messages.
+        params: The model's trainable parameters.
+        check_local: Whether to inspect the local gradients before each step
+            (async/ssp); sync mode flags bad sums through :meth:`flag` instead.
+    """
+
+    def __init__(
+        self, policy: str, rank: int, params: Sequence[torch.Tensor], check_local: bool
+    ) -> None:
+        self.policy = policy
+        self._rank = rank
+        self._params = list(params)
+        self._ids = {id(p) for p in self._params}
+        self._check_local = check_local
+        # Keyed by the optimizer itself, weakly: an id() could be reused by a new
+        # optimizer once the old one is collected.
+        self._owned: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = (
+            weakref.WeakKeyDictionary()
+        )
+        self._lock = threading.Lock()
+        self._flagged: int | None = None
+        self.skipped = 0
+
+    def owns(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer`` steps any of this model's trainable parameters."""
+        owned = self._owned.get(optimizer)
+        if owned is None:
+            owned = any(id(p) in self._ids for g in optimizer.param_groups for p in g["params"])
+            self._owned[optimizer] = owned
+        return owned
+
+    def flag(self, step: int) -> None:
+        """Marks ``step``'s summed gradient as non-finite (sync mode, comm thread)."""
+        with self._lock:
+            self._flagged = step
+
+    def before_step(self, step: int) -> None:
+        """Raises or skips if this step's gradients are not finite.
+
+        Args:
+            step: The step (sync round or clock) about to be applied, for messages.
+
+        Raises:
+            PSError: With ``policy="raise"``, if a gradient holds NaN or Inf.
+        """
+        if self.policy == "ignore":
+            return
+        with self._lock:
+            bad, self._flagged = self._flagged is not None, None
+        if not bad and self._check_local:
+            bad = any(
+                p.grad is not None and not bool(torch.isfinite(p.grad).all())
+                for p in self._params
+            )
+        if not bad:
+            return
+        where = "summed over all workers" if not self._check_local else "of this worker"
+        if self.policy == "raise":
+            raise PSError(
+                f"rank {self._rank}: step {step}: the gradient {where} holds NaN or Inf "
+                "(PSConfig.nan_policy='raise'). Lower the learning rate, clip gradients, "
+                "or set nan_policy='skip' to drop such steps."
+            )
+        for p in self._params:
+            p.grad = None  # torch optimizers leave parameters without a gradient alone
+        self.skipped += 1
+        logger.warning(
+            "rank %d: step %d: the gradient %s holds NaN or Inf; step skipped "
+            "(PSConfig.nan_policy='skip', %d skipped so far).",
+            self._rank,
+            step,
+            where,
+            self.skipped,
+        )

@@ -1,0 +1,129 @@
+"""A resumable loop with failure injection (shipped to workers by value).
+
+Injected faults fire once per run: a marker file in ``config["marker_dir"]`` records
+that they happened, so the restarted worker group trains on.
+"""
+
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+import ray.train
+import ray.train.collective
+import ray.train.torch
+import torch
+import torch.nn as nn
+
+from ray_ps_plugin import get_ps_context
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3))
+
+
+def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(16, 8, generator=g)
+    return x, (x[:, :3].argmax(dim=1))
+
+
+def _once(config: dict[str, Any], name: str) -> bool:
+    """True the first time ``name`` is asked for in this run."""
+    marker = Path(config["marker_dir"], name)
+    if marker.exists():
+        return False
+    marker.write_text(str(time.time()))
+    return True
+
+
+def resumable_loop(config: dict[str, Any]) -> None:
+    """Momentum SGD with deterministic data, checkpointing every ``every`` steps.
+
+    Faults: ``fail_rank``/``fail_step`` kill that worker's process in the middle of
+    the step (after backward, before the optimizer step); ``kill_shard``/
+    ``kill_step`` make rank 0 kill that server shard actor; ``nan_rank``/
+    ``nan_step`` poison that worker's gradient.
+    """
+    rank = ray.train.get_context().get_world_rank()
+    model = _model()
+    opt_state, start = None, 0
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint:
+        with checkpoint.as_directory() as d:
+            state = torch.load(f"{d}/state.pt", weights_only=True)
+        model.load_state_dict(state["model"])  # before prepare_model: seeds the shards
+        opt_state, start = state["optimizer"], state["step"]
+    model = ray.train.torch.prepare_model(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if opt_state is not None:
+        opt.load_state_dict(opt_state)
+    ctx = get_ps_context()
+    if checkpoint and ctx is not None and ctx.mode != "sync":
+        if rank == 1:  # not the rank that seeded the shards
+            probe = _server_vs(model, state["model"])
+            Path(config["marker_dir"], "restored_server_vs_checkpoint").write_text(repr(probe))
+        ray.train.collective.barrier()  # nobody pushes before the probe has read
+    steps_run = 0
+    for step in range(start, config["steps"]):
+        x, y = _batch(step, rank)
+        loss = nn.functional.cross_entropy(model(x), y)
+        if rank == config.get("nan_rank") and step == config.get("nan_step"):
+            loss = loss * float("nan")
+        opt.zero_grad()
+        loss.backward()
+        if rank == config.get("fail_rank") and step == config.get("fail_step") and _once(config, "fail"):
+            os._exit(1)  # the process dies mid-step: no cleanup, no report
+        if rank == 0 and step == config.get("kill_step") and _once(config, "kill"):
+            from ray_ps_plugin import _worker
+
+            ray.kill(_worker._RUN.servers[config["kill_shard"]], no_restart=True)
+        opt.step()
+        steps_run += 1
+        if (step + 1) % config["every"] == 0 or step + 1 == config["steps"]:
+            ctx = get_ps_context()
+            metrics = {"step": step + 1, "steps_run": steps_run, "start": start}
+            if ctx is not None:
+                metrics["skipped"] = ctx.stats.skipped_steps
+                ctx.flush()
+            with tempfile.TemporaryDirectory() as d:
+                ckpt = None
+                if rank == 0:
+                    torch.save(
+                        {"model": model.module.state_dict(), "optimizer": opt.state_dict(),
+                         "step": step + 1},
+                        f"{d}/state.pt",
+                    )
+                    ckpt = ray.train.Checkpoint.from_directory(d)
+                ray.train.report(metrics, checkpoint=ckpt)
+
+
+def _server_vs(model: nn.Module, state: dict[str, torch.Tensor]) -> float:
+    """Largest difference between the shards' parameters and a checkpoint."""
+    from ray_ps_plugin import _worker
+
+    replies = [ray.get(s.pull.remote(1, 0), timeout=30) for s in _worker._RUN.servers]
+    server = torch.from_numpy(np.concatenate([r[0] for r in replies]))
+    ckpt = torch.cat([v.reshape(-1) for v in state.values()])
+    return (server - ckpt).abs().max().item()
+
+
+def load(result: ray.train.Result) -> dict[str, Any]:
+    with result.checkpoint.as_directory() as d:
+        return torch.load(f"{d}/state.pt", weights_only=True)
+
+
+def mismatched_loop(config: dict[str, Any]) -> None:
+    """Rank 1 builds a wider model than rank 0."""
+    rank = ray.train.get_context().get_world_rank()
+    model = nn.Linear(8, 3 if rank == 0 else 4)
+    model = ray.train.torch.prepare_model(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()

@@ -1,0 +1,66 @@
+"""NonFiniteGuard: raise, skip and ignore; and the sparse-gradient check."""
+
+import logging
+
+import pytest
+import torch
+
+from ray_ps_plugin._errors import PSError
+from ray_ps_plugin._nonfinite import NonFiniteGuard
+from ray_ps_plugin._worker import check_supported
+
+
+def _model_with_grads(bad: bool):
+    m = torch.nn.Linear(3, 2)
+    m.weight.grad = torch.ones(2, 3)
+    m.bias.grad = torch.tensor([float("nan") if bad else 0.0, 1.0])
+    return m
+
+
+def test_raise_names_rank_step_and_the_fix():
+    m = _model_with_grads(bad=True)
+    guard = NonFiniteGuard("raise", 3, list(m.parameters()), check_local=True)
+    with pytest.raises(PSError, match=r"rank 3: step 7: .* NaN or Inf .*nan_policy='skip'"):
+        guard.before_step(7)
+
+
+def test_skip_drops_the_gradients_so_the_optimizer_changes_nothing(caplog):
+    m = _model_with_grads(bad=True)
+    opt = torch.optim.Adam(m.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in m.parameters()]
+    guard = NonFiniteGuard("skip", 0, list(m.parameters()), check_local=True)
+    with caplog.at_level(logging.WARNING):
+        guard.before_step(1)
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
+    assert opt.state_dict()["state"] == {}  # no Adam moments polluted
+    assert guard.skipped == 1 and "step skipped" in caplog.text
+
+
+def test_finite_gradients_pass_and_ignore_never_checks():
+    NonFiniteGuard("raise", 0, list(_model_with_grads(False).parameters()), True).before_step(1)
+    NonFiniteGuard("ignore", 0, list(_model_with_grads(True).parameters()), True).before_step(1)
+
+
+def test_sync_mode_acts_on_the_flag_from_the_comm_thread():
+    m = _model_with_grads(bad=False)  # local gradients fine; the sum was not
+    guard = NonFiniteGuard("raise", 0, list(m.parameters()), check_local=False)
+    guard.before_step(1)
+    guard.flag(2)
+    with pytest.raises(PSError, match="summed over all workers"):
+        guard.before_step(2)
+    guard.before_step(3)  # the flag is consumed
+
+
+def test_owns_only_optimizers_of_its_parameters():
+    m = torch.nn.Linear(2, 2)
+    guard = NonFiniteGuard("raise", 0, list(m.parameters()), check_local=True)
+    assert guard.owns(torch.optim.SGD(m.parameters(), lr=1))
+    assert not guard.owns(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1))
+
+
+def test_sparse_gradient_layers_are_refused_with_the_fix():
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"\['0'\] produce sparse gradients.*sparse=False"):
+        check_supported(model)
+    check_supported(torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 2)))
