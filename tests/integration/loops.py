@@ -172,3 +172,90 @@ class FailingStartConfig(PSConfig):
     @property
     def backend_cls(self) -> type[PSBackend]:
         return _FailAfterServersBackend
+
+
+# --- Tune sweeps (tests/integration/test_tune.py) ---------------------------------
+def tune_loop(config: dict[str, Any]) -> None:
+    """A tiny loop that reports ``iterations`` times, each with a rank-0 checkpoint.
+
+    Config: lr, iterations, quality (scales the reported ``score``, so an ASHA test
+    can decide deterministically which trials are worse), report_sleep_s, and
+    expect_live_shards with rendezvous_dir: under PS, rank 0 of each trial waits
+    (bounded) until that many shards are alive cluster-wide or another trial has
+    already seen them (a marker file), then reports who owns the live shards.
+    """
+    rank = ray.train.get_context().get_world_rank()
+    torch.manual_seed(rank)
+    model = ray.train.torch.prepare_model(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)))
+    opt = torch.optim.SGD(model.parameters(), lr=config["lr"])
+    x, y = torch.randn(32, 8), torch.randint(0, 2, (32,))
+    ctx = get_ps_context()
+    ownership: dict[str, Any] = {}
+    for i in range(config["iterations"]):
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if i == 0 and ctx is not None and rank == 0 and config.get("expect_live_shards"):
+            ownership = _rendezvous(config["expect_live_shards"], config["rendezvous_dir"])
+        metrics: dict[str, Any] = {"loss": loss.item(), "score": config.get("quality", 1.0) * (i + 1)}
+        if ctx is not None:
+            metrics.update(
+                ps_num_servers=ctx.num_servers,
+                ps_server_nodes=list(ctx.server_node_ids),
+                ps_steps=ctx.stats.steps,
+                ps_bytes_pushed=ctx.stats.bytes_pushed,
+                worker_node=ray.get_runtime_context().get_node_id(),
+                **ownership,
+            )
+        with tempfile.TemporaryDirectory() as d:
+            checkpoint = None
+            if rank == 0:
+                torch.save(model.module.state_dict(), f"{d}/model.pt")
+                checkpoint = ray.train.Checkpoint.from_directory(d)
+            ray.train.report(metrics, checkpoint=checkpoint)
+        time.sleep(config.get("report_sleep_s", 0.0))
+
+
+def _rendezvous(expected: int, marker_dir: str) -> dict[str, Any]:
+    """Waits for `expected` live shards unless a peer trial already saw them.
+
+    The first trial to see them leaves a marker, so the trials that start later do
+    not wait for peers that have finished.
+    """
+    import os
+
+    wait_until(lambda: live_shards() >= expected or bool(os.listdir(marker_dir)), timeout_s=60)
+    ownership = shards_per_controller()
+    if sum(ownership["shards_per_controller"]) + ownership["orphan_shards"] >= expected:
+        open(os.path.join(marker_dir, ray.get_runtime_context().get_actor_id()), "w").close()
+    return ownership
+
+
+def shards_per_controller() -> dict[str, Any]:
+    """Live shards grouped by owner: each live Train controller's count, and orphans.
+
+    A shard's owner is the controller actor that created it, so the actor table's
+    owner address tells which run a shard belongs to.
+    """
+    alive = [a for a in ray._private.state.actors().values() if a["State"] != "DEAD"]
+
+    def addr(a: dict[str, Any], key: str) -> tuple[str, int]:
+        return a[key]["IPAddress"], a[key]["Port"]
+
+    owners: dict[tuple[str, int], int] = {}
+    for a in alive:
+        if a["ActorClassName"].endswith("ShardServer"):
+            owners[addr(a, "OwnerAddress")] = owners.get(addr(a, "OwnerAddress"), 0) + 1
+    controllers = [addr(a, "Address") for a in alive if a["ActorClassName"] == "TrainController"]
+    per_controller = sorted(owners.pop(c, 0) for c in controllers)
+    return {"shards_per_controller": per_controller, "orphan_shards": sum(owners.values())}
+
+
+def live_reapers() -> int:
+    """Placement-group reapers of ray_ps_plugin.tune still alive (each exits with its run)."""
+    return sum(
+        1
+        for a in ray._private.state.actors().values()
+        if a["ActorClassName"].endswith("_Reaper") and a["State"] != "DEAD"
+    )
