@@ -15,15 +15,27 @@ import threading
 import weakref
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from ray_ps_plugin._errors import PSError
 
-__all__ = ["NAN_POLICIES", "NonFiniteGuard"]
+__all__ = ["NAN_POLICIES", "NonFiniteGuard", "all_finite"]
 
 NAN_POLICIES = ("raise", "skip", "ignore")
 
 logger = logging.getLogger(__name__)
+
+
+def all_finite(values: "torch.Tensor | np.ndarray") -> bool:
+    """Whether no element is NaN or Inf, in one pass without a mask allocation.
+
+    NaN and Inf propagate through a sum, so checking the sum suffices; a sum that
+    overflows (elements around 1e32 and up) also counts as non-finite, which only
+    happens once training has already diverged.
+    """
+    total = values.sum()
+    return bool(np.isfinite(total)) if isinstance(values, np.ndarray) else bool(torch.isfinite(total))
 
 
 class NonFiniteGuard:
@@ -81,10 +93,7 @@ class NonFiniteGuard:
         with self._lock:
             bad, self._flagged = self._flagged is not None, None
         if not bad and self._check_local:
-            bad = any(
-                p.grad is not None and not bool(torch.isfinite(p.grad).all())
-                for p in self._params
-            )
+            bad = any(p.grad is not None and not all_finite(p.grad) for p in self._params)
         if not bad:
             return
         where = "summed over all workers" if not self._check_local else "of this worker"

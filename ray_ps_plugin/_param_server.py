@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import time
 import warnings
 from typing import Any
 
 import numpy as np
 import torch
 
-from ray_ps_plugin._server import ShardProtocolError, ShardTimeoutError
+from ray_ps_plugin._server import ShardBase, ShardProtocolError, ShardTimeoutError
 
 __all__ = ["ParamShardServer", "Read", "Reply"]
 
@@ -41,7 +40,7 @@ Reply = tuple[np.ndarray, tuple[int, ...], int]
 """(parameter slice, every worker's clock, slowest unfinished worker's clock)."""
 
 
-class ParamShardServer:
+class ParamShardServer(ShardBase):
     """Owns one slice of the parameters; applies the workers' updates serially.
 
     Wrapped with ``ray.remote`` by the backend; kept a plain class so unit tests can
@@ -59,10 +58,8 @@ class ParamShardServer:
     def __init__(
         self, shard_index: int, num_workers: int, staleness: int | None, timeout_s: float
     ) -> None:
-        self.shard_index = shard_index
-        self.num_workers = num_workers
+        super().__init__(shard_index, num_workers, timeout_s)
         self.staleness = staleness
-        self.timeout_s = timeout_s
         self._params: torch.Tensor | None = None
         self._clocks = [0] * num_workers
         # A worker that finished its loop no longer holds the others back.
@@ -70,17 +67,6 @@ class ParamShardServer:
         self._initialised = asyncio.Event()
         self._changed = asyncio.Condition()
         self._reads: collections.deque[Read] = collections.deque(maxlen=_READ_LOG_LIMIT)
-        self._bytes_in = 0
-        self._bytes_out = 0
-        self._pushes = 0
-        self._duplicates = 0
-        self._started = time.time()
-
-    def ready(self) -> dict[str, Any]:
-        """Answers once the actor is up; tells where it runs."""
-        import ray
-
-        return {"shard": self.shard_index, "node_id": ray.get_runtime_context().get_node_id()}
 
     async def init(self, params: np.ndarray, clock: int = 0) -> bool:
         """Adopts initial parameters (from rank 0, after DDP's broadcast).
@@ -223,12 +209,7 @@ class ParamShardServer:
         """Counters since start, the clocks, and the largest clock gap read."""
         gaps = [c - m for _, c, m in self._reads]
         return {
-            "shard": self.shard_index,
-            "bytes_in": self._bytes_in,
-            "bytes_out": self._bytes_out,
-            "pushes": self._pushes,
-            "duplicates": self._duplicates,
+            **super().stats(),
             "clocks": list(self._clocks),
             "max_read_gap": max(gaps, default=0),
-            "uptime_s": time.time() - self._started,
         }

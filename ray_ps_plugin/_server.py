@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ShardServer", "ShardTimeoutError", "ShardProtocolError"]
+__all__ = ["ShardBase", "ShardServer", "ShardTimeoutError", "ShardProtocolError"]
 
 
 class ShardTimeoutError(TimeoutError):
@@ -41,7 +41,44 @@ class _Slot:
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-class ShardServer:
+class ShardBase:
+    """What every shard actor has: its identity, the workers it serves, counters.
+
+    Args:
+        shard_index: This shard's index, used in error messages.
+        num_workers: Number of workers pushing to it.
+        timeout_s: Bound on every wait inside the shard.
+    """
+
+    def __init__(self, shard_index: int, num_workers: int, timeout_s: float) -> None:
+        self.shard_index = shard_index
+        self.num_workers = num_workers
+        self.timeout_s = timeout_s
+        self._bytes_in = 0
+        self._bytes_out = 0
+        self._pushes = 0
+        self._duplicates = 0
+        self._started = time.time()
+
+    def ready(self) -> dict[str, Any]:
+        """Answers once the actor is up; tells where it runs."""
+        import ray
+
+        return {"shard": self.shard_index, "node_id": ray.get_runtime_context().get_node_id()}
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since start: bytes in/out, pushes, duplicate pushes ignored."""
+        return {
+            "shard": self.shard_index,
+            "bytes_in": self._bytes_in,
+            "bytes_out": self._bytes_out,
+            "pushes": self._pushes,
+            "duplicates": self._duplicates,
+            "uptime_s": time.time() - self._started,
+        }
+
+
+class ShardServer(ShardBase):
     """Sums one shard's gradient chunks across workers (sync mode).
 
     Wrapped with ``ray.remote`` by the backend; kept a plain class so unit tests can
@@ -54,24 +91,11 @@ class ShardServer:
     """
 
     def __init__(self, shard_index: int, num_workers: int, timeout_s: float) -> None:
-        self.shard_index = shard_index
-        self.num_workers = num_workers
-        self.timeout_s = timeout_s
+        super().__init__(shard_index, num_workers, timeout_s)
         # Two slots per chunk, by step parity. A worker can push step s+2 only after
         # every worker pushed s+1, i.e. after every worker has received step s's sum,
         # so the slot of step s is free again by then and never reallocated.
         self._slots: dict[tuple[int, int], _Slot] = {}
-        self._bytes_in = 0
-        self._bytes_out = 0
-        self._pushes = 0
-        self._duplicates = 0
-        self._started = time.time()
-
-    def ready(self) -> dict[str, Any]:
-        """Answers once the actor is up; tells where it runs."""
-        import ray
-
-        return {"shard": self.shard_index, "node_id": ray.get_runtime_context().get_node_id()}
 
     async def push_pull(self, step: int, key: int, rank: int, grad: np.ndarray) -> np.ndarray:
         """Adds one worker's chunk and returns the sum once all workers pushed it.
@@ -146,14 +170,3 @@ class ShardServer:
         slot = _Slot(step=step, acc=acc)
         self._slots[(key, step % 2)] = slot
         return slot
-
-    def stats(self) -> dict[str, Any]:
-        """Counters since start: bytes in/out, pushes, duplicate pushes ignored."""
-        return {
-            "shard": self.shard_index,
-            "bytes_in": self._bytes_in,
-            "bytes_out": self._bytes_out,
-            "pushes": self._pushes,
-            "duplicates": self._duplicates,
-            "uptime_s": time.time() - self._started,
-        }

@@ -124,6 +124,7 @@ class StaleClient:
         staleness: The ssp bound, or ``None`` for async (no bound).
         timeout_s: Bound on every wait for a shard.
         nan_policy: ``PSConfig.nan_policy``, checked on the local gradients.
+        remote_shards: Shards on other nodes, whose traffic is counted as crossing.
 
     Raises:
         TypeError: If the trainable parameters are not all of one floating dtype.
@@ -139,7 +140,9 @@ class StaleClient:
         staleness: int | None,
         timeout_s: float,
         nan_policy: str = "raise",
+        remote_shards: frozenset[int] = frozenset(),
     ) -> None:
+        self._remote = remote_shards
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
             raise TypeError(
@@ -254,6 +257,8 @@ class StaleClient:
             self._stats.bytes_pushed += delta.nbytes
             for s, (a, b) in enumerate(self._slices()):
                 self._stats.bytes_pushed_per_shard[s] += (b - a) * delta.itemsize
+                if s in self._remote:
+                    self._stats.bytes_cross_node += (b - a) * delta.itemsize
 
     # --- consistency points -------------------------------------------------------
     def flush(self) -> None:
@@ -330,6 +335,9 @@ class StaleClient:
         with self._lock:
             self._stats.clocks = clocks
             self._stats.bytes_pulled += sum(arr.nbytes for arr, _, _ in replies)
+            self._stats.bytes_cross_node += sum(
+                arr.nbytes for s, (arr, _, _) in enumerate(replies) if s in self._remote
+            )
 
     def _wait(self, handles: list[Any], what: str) -> list[Any]:
         try:

@@ -24,6 +24,8 @@ class PSStats:
         wait_s: Seconds this worker was blocked waiting for the shards (async/ssp).
         skipped_steps: Optimizer steps dropped for NaN/Inf gradients
             (``nan_policy="skip"``).
+        bytes_cross_node: Bytes pushed to and received from shards on other nodes
+            than this worker's (the traffic that crosses the network).
     """
 
     steps: int = 0
@@ -38,3 +40,4 @@ class PSStats:
     staleness_mean: float = 0.0
     wait_s: float = 0.0
     skipped_steps: int = 0
+    bytes_cross_node: int = 0

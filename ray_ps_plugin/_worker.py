@@ -41,7 +41,7 @@ from torch.optim.optimizer import (
 
 from ray_ps_plugin._errors import PSError, PSTimeoutError, WaitTimeout, failed_indices
 from ray_ps_plugin._layout import Piece, StreamLayout
-from ray_ps_plugin._nonfinite import NonFiniteGuard
+from ray_ps_plugin._nonfinite import NonFiniteGuard, all_finite
 from ray_ps_plugin._stale import RayStaleTransport, StaleClient
 from ray_ps_plugin._stats import PSStats
 
@@ -176,6 +176,7 @@ class PSClient:
         world_size: Number of workers.
         timeout_s: Bound on every wait for a shard.
         guard: Applies ``nan_policy``; the comm thread flags non-finite sums to it.
+        remote_shards: Shards on other nodes, whose traffic is counted as crossing.
     """
 
     def __init__(
@@ -186,8 +187,10 @@ class PSClient:
         world_size: int,
         timeout_s: float,
         guard: "NonFiniteGuard | None" = None,
+        remote_shards: frozenset[int] = frozenset(),
     ) -> None:
         self.guard = guard
+        self._remote = remote_shards
         self._transport = transport
         self._layout = layout
         self._rank = world_rank
@@ -231,6 +234,8 @@ class PSClient:
                 nbytes = p.numel * buf.element_size()
                 self._stats.bytes_pushed += nbytes
                 self._stats.bytes_pushed_per_shard[p.shard] += nbytes
+                if p.shard in self._remote:
+                    self._stats.bytes_cross_node += nbytes
             self._stats.pushes += len(pieces)
         fut: torch.futures.Future = torch.futures.Future()
         self._queue.put(_Pending(step, buf, host, pieces, handles, fut, time.perf_counter()))
@@ -273,21 +278,24 @@ class PSClient:
 
     def _complete(self, item: _Pending) -> None:
         results = self._transport.wait(item.handles, self._timeout_s)
-        nbytes = 0
+        nbytes = cross = 0
         for p, r in zip(item.pieces, results):
             item.host[p.start : p.stop] = r
             nbytes += r.nbytes
+            if p.shard in self._remote:
+                cross += r.nbytes
         if item.bucket.is_cuda:
             item.bucket.copy_(torch.from_numpy(item.host), non_blocking=False)
         if (
             self.guard is not None
             and self.guard.policy != "ignore"
-            and not np.isfinite(item.host).all()
+            and not all_finite(item.host)
         ):
             # Every worker holds the same sum, so every worker flags the same step.
             self.guard.flag(item.step)
         with self._lock:
             self._stats.bytes_pulled += nbytes
+            self._stats.bytes_cross_node += cross
             self._stats.last_sync_s = time.perf_counter() - item.started
         item.future.set_result(item.bucket)
 
@@ -449,10 +457,13 @@ class PSDistributedDataParallel(DistributedDataParallel):
             )
         check_supported(module)
         super().__init__(module, *args, **kwargs)
+        import ray
         import ray.train
 
         ctx = ray.train.get_context()
         rank, world = ctx.get_world_rank(), ctx.get_world_size()
+        node = ray.get_runtime_context().get_node_id()
+        remote = frozenset(i for i, n in enumerate(info.server_node_ids) if n != node)
         self._ps_stale: StaleClient | None = None
         params = [p for p in module.parameters() if p.requires_grad]
         _ensure_optimizer_hooks()
@@ -466,6 +477,7 @@ class PSDistributedDataParallel(DistributedDataParallel):
                 world_size=world,
                 timeout_s=info.timeout_s,
                 guard=NonFiniteGuard(info.nan_policy, rank, params, check_local=False),
+                remote_shards=remote,
             )
             _CLIENTS.append(client)
             self.register_comm_hook(None, client.hook)
@@ -479,6 +491,7 @@ class PSDistributedDataParallel(DistributedDataParallel):
             staleness=info.staleness,
             timeout_s=info.timeout_s,
             nan_policy=info.nan_policy,
+            remote_shards=remote,
         )
         _CLIENTS.append(stale)
         stale.start()

@@ -90,12 +90,7 @@ def split_trial_config(
             f"Trial config key {PS_CONFIG_KEY!r} must be a dict of PSConfig fields, got "
             f"{type(nested).__name__} {nested!r}."
         )
-    unknown = sorted(set(nested) - _PS_FIELDS)
-    if unknown:
-        raise TypeError(
-            f"Trial config {PS_CONFIG_KEY!r} has key(s) {unknown} that are not PSConfig "
-            f"fields; valid fields: {sorted(_PS_FIELDS)}."
-        )
+    _check_fields(f"Trial config {PS_CONFIG_KEY!r}", nested)
     fields = dict(nested)
     for name in sorted(_PS_FIELDS & set(loop_config)):
         if name in fields:
@@ -250,13 +245,17 @@ def _check_ps_config_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
                 f"ps_config_kwargs must not set {key!r}: it is chosen per trial; put "
                 f"{key!r} in the Tune param_space (top level or inside {PS_CONFIG_KEY!r})."
             )
-    unknown = sorted(set(kwargs) - _PS_FIELDS)
+    _check_fields("ps_config_kwargs", kwargs)
+    return kwargs
+
+
+def _check_fields(where: str, keys: Mapping[str, Any]) -> None:
+    unknown = sorted(set(keys) - _PS_FIELDS)
     if unknown:
         raise TypeError(
-            f"ps_config_kwargs has key(s) {unknown} that are not PSConfig fields; valid "
-            f"fields: {sorted(_PS_FIELDS)}."
+            f"{where} has key(s) {unknown} that are not PSConfig fields; valid fields: "
+            f"{sorted(_PS_FIELDS)}."
         )
-    return kwargs
 
 
 class _PlacementGroupReaperCallback(ControllerCallback, WorkerGroupCallback):

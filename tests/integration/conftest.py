@@ -8,6 +8,7 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 import pytest  # noqa: E402
 import ray  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
 from ray import cloudpickle  # noqa: E402
 
 from tests.integration import digits, faults, loops  # noqa: E402
@@ -20,11 +21,23 @@ cloudpickle.register_pickle_by_value(faults)
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    # Logical CPUs: workers ask for fractions, so 4 keeps two runs schedulable on
-    # a 2-core machine without oversubscribing real work.
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
+    """Two simulated nodes (two raylets, two object stores) on this machine.
+
+    Logical CPUs: workers ask for fractions, so 2 + 2 keeps two runs schedulable on a
+    2-core machine without oversubscribing real work. Runs with PACK placement stay
+    on one node; test_multinode spreads workers over both.
+    """
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 2, "include_dashboard": False,
+                        "object_store_memory": 300 * 1024 * 1024},
+    )
+    cluster.add_node(num_cpus=2, object_store_memory=300 * 1024 * 1024)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    yield cluster
     ray.shutdown()
+    cluster.shutdown()
 
 
 @pytest.fixture

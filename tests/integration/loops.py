@@ -93,6 +93,7 @@ def report_state(model: nn.Module, metrics: dict[str, Any]) -> None:
             ps_bytes_pushed=st.bytes_pushed,
             ps_bytes_pulled=st.bytes_pulled,
             ps_per_shard=st.bytes_pushed_per_shard,
+            ps_cross_node=st.bytes_cross_node,
             worker_node=ray.get_runtime_context().get_node_id(),
         )
     metrics["has_ps_context"] = ctx is not None

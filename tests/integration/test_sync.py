@@ -72,7 +72,7 @@ def test_sync_ps_ends_with_ddp_parameters(runs, name):
 def test_ps_context_reports_servers_bytes_and_balance(runs):
     m = runs["ps"].metrics
     assert m["has_ps_context"] and m["ps_mode"] == "sync" and m["ps_num_servers"] == 2
-    assert set(m["ps_server_nodes"]) == {m["worker_node"]}  # colocated (one node here)
+    assert m["ps_server_nodes"][0] == m["worker_node"]  # shard 0 sits with rank 0
     assert m["ps_steps"] == STEPS  # one sync round per optimizer step; no_sync rounds skipped
     assert m["ps_bytes_pushed"] == STEPS * m["trainable_bytes"] == m["ps_bytes_pulled"]
     per_shard = m["ps_per_shard"]
@@ -106,10 +106,12 @@ def test_a_stalled_worker_fails_in_bounded_time_naming_shard_and_step(storage):
             storage,
             "stall",
             loop=loops.slow_rank_loop,
-            config={"stall_s": 30},
+            config={"stall_s": 60},
             ps_config=PSConfig(ps_timeout_s=3),
         )
-    assert time.monotonic() - t0 < 30
+    # Failing takes ps_timeout_s plus Ray Train's shutdown (~15 s here); waiting for
+    # the stalled worker would take the full 60 s stall.
+    assert time.monotonic() - t0 < 45
     assert loops.wait_until(lambda: loops.live_shards() == 0)
 
 

@@ -14,7 +14,7 @@ import ray
 from ray import tune
 from ray.train import ScalingConfig
 
-from ray_ps_plugin.tune import make_trainable, split_trial_config
+from ray_ps_plugin.tune import make_trainable
 from tests.integration import loops
 
 SCALING = ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5})
@@ -123,23 +123,3 @@ def test_asha_stopped_trials_leave_no_shard_or_placement_group(ray_cluster, stor
     assert loops.wait_until(lambda: loops.live_placement_groups() == 0)
     assert loops.wait_until(lambda: ray.available_resources().get("CPU") == 4.0)
     assert loops.wait_until(lambda: loops.live_reapers() == 0)
-
-
-def test_trial_config_errors_name_the_field():
-    with pytest.raises(ValueError, match="no 'strategy'"):
-        split_trial_config({"lr": 0.1})
-    with pytest.raises(TypeError, match="stratgy"):
-        split_trial_config({"ps_config": {"stratgy": "ps"}})
-    with pytest.raises(ValueError, match="'mode' is set twice"):
-        split_trial_config({"mode": "sync", "ps_config": {"strategy": "ps", "mode": "sync"}})
-    with pytest.raises(ValueError, match="must not set 'strategy'"):
-        make_trainable(loops.tune_loop, SCALING, ps_config_kwargs={"strategy": "ps"})
-    with pytest.raises(ValueError, match="must not set 'name'"):
-        make_trainable(loops.tune_loop, SCALING, run_config_kwargs={"name": "x"})
-    with pytest.raises(TypeError, match="ScalingConfig"):
-        make_trainable(loops.tune_loop, {"num_workers": 2})
-    cfg, loop_config = split_trial_config(
-        {"ps_config": {"strategy": "ddp"}, "lr": 0.1, "num_servers": 3}, {"ps_timeout_s": 5}
-    )
-    assert (cfg.strategy, cfg.mode, cfg.num_servers, cfg.ps_timeout_s) == ("ddp", "sync", 3, 5)
-    assert loop_config == {"lr": 0.1}

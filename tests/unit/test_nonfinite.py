@@ -64,3 +64,14 @@ def test_sparse_gradient_layers_are_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"\['0'\] produce sparse gradients.*sparse=False"):
         check_supported(model)
     check_supported(torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 2)))
+
+
+def test_all_finite_sees_nan_and_inf_in_tensors_and_arrays():
+    from ray_ps_plugin._nonfinite import all_finite
+
+    x = torch.zeros(1000)
+    assert all_finite(x) and all_finite(x.numpy())
+    x[500] = float("inf")
+    assert not all_finite(x) and not all_finite(x.numpy())
+    x[500], x[3] = 0.0, float("nan")
+    assert not all_finite(x) and not all_finite(x.numpy())
