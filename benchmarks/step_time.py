@@ -17,11 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
+import sys
 import tempfile
 import time
-from datetime import date
 from pathlib import Path
 from typing import Any
 
@@ -32,15 +31,16 @@ import ray.train  # noqa: E402
 import ray.train.torch  # noqa: E402
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
+from ray import cloudpickle  # noqa: E402
 from ray.train import RunConfig, ScalingConfig  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _common  # noqa: E402
+from _common import reference_mlp  # noqa: E402
 
 from ray_ps_plugin import PSConfig, PSTrainer, get_ps_context  # noqa: E402
 
-
-def reference_mlp(width: int = 2048) -> nn.Module:
-    return nn.Sequential(
-        nn.Linear(784, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)
-    )
+cloudpickle.register_pickle_by_value(_common)
 
 
 def bench_loop(config: dict[str, Any]) -> None:
@@ -137,10 +137,7 @@ def main() -> None:
     bytes_per_step = ps["bytes_moved"] / max(1, ps["steps_synced"])
     minimum = 2 * ps["model_bytes"]
     summary = {
-        "date": date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
-        "torch": torch.__version__,
-        "ray": ray.__version__,
+        **_common.machine_info(),
         "args": vars(args),
         "median_step_ms": {k: med(k) * 1e3 for k in VARIANTS},
         "ratio_ps_to_ddp": ratio("ps_sync", "ddp"),

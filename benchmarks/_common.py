@@ -1,0 +1,47 @@
+"""Models, data and machine facts shared by the benchmarks (shipped to workers by value)."""
+
+from __future__ import annotations
+
+import os
+import platform
+from datetime import date
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+
+def reference_mlp(width: int = 2048) -> nn.Module:
+    """BRIEF §4's reference model: MLP 784-2048-2048-10 (5.8 M parameters)."""
+    return nn.Sequential(
+        nn.Linear(784, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)
+    )
+
+
+def digits_mlp() -> nn.Module:
+    """A small MLP for scikit-learn's 8x8 digits."""
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+
+
+def digits_split(seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Digits (bundled with scikit-learn, no download): 70/30 train/test tensors."""
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    order = np.random.default_rng(seed).permutation(len(x))
+    x = torch.tensor(x[order] / 16.0, dtype=torch.float32)
+    y = torch.tensor(y[order], dtype=torch.long)
+    cut = int(0.7 * len(x))
+    return x[:cut], y[:cut], x[cut:], y[cut:]
+
+
+def machine_info() -> dict[str, Any]:
+    import ray
+
+    return {
+        "date": date.today().isoformat(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
+        "torch": torch.__version__,
+        "ray": ray.__version__,
+    }

@@ -1,0 +1,254 @@
+"""Throughput with and without a straggler, and accuracy against wall time, per mode.
+
+Part 1 (reference MLP, synthetic batches): DDP, PS-sync, PS-async and PS-ssp, each
+run with and without one straggler (rank 1 sleeps ``--sleep-ms`` after every
+step). Throughput is samples per second over all workers, counted only while every
+worker is still training (between the latest warm-up end and the earliest finish),
+so a fast worker that finishes early is not flattered by running alone. Variants
+alternate within a round; ratios to DDP are taken within a round, medians shown.
+
+Part 2 (scikit-learn digits, same straggler): rank 0 measures test accuracy every
+few steps; one curve of accuracy against wall time per mode, saved as a PNG.
+
+    python benchmarks/straggler.py            # reference run (~6 min on 2 cores)
+    python benchmarks/straggler.py --quick    # smoke run (~2 min)
+
+Targets (issue #3): async >= 1.6x DDP throughput with a straggler; async step
+<= 0.6x DDP step without one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
+
+import numpy as np  # noqa: E402
+import ray  # noqa: E402
+import ray.train  # noqa: E402
+import ray.train.torch  # noqa: E402
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+from ray import cloudpickle  # noqa: E402
+from ray.train import RunConfig, ScalingConfig  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _common  # noqa: E402
+
+from ray_ps_plugin import PSConfig, PSTrainer, get_ps_context  # noqa: E402
+
+cloudpickle.register_pickle_by_value(_common)
+
+MODES = {
+    "ddp": PSConfig(strategy="ddp"),
+    "ps_sync": PSConfig(strategy="ps", mode="sync"),
+    "ps_async": PSConfig(strategy="ps", mode="async"),
+    "ps_ssp": PSConfig(strategy="ps", mode="ssp", staleness=4),
+}
+
+
+def throughput_loop(config: dict[str, Any]) -> None:
+    """Fixed number of steps; every worker records when each step ended."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    rank = ray.train.get_context().get_world_rank()
+    model = ray.train.torch.prepare_model(_common.reference_mlp(config["width"]))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    x, y = torch.randn(config["batch"], 784), torch.randint(0, 10, (config["batch"],))
+    sleep_s = config["sleep_s"] if rank == 1 else 0.0
+    ends, durations = [], []
+    for _ in range(config["warmup"] + config["steps"]):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        durations.append(time.perf_counter() - t0)
+        if sleep_s:
+            time.sleep(sleep_s)
+        ends.append(time.time())
+    ctx = get_ps_context()
+    if ctx is not None:
+        ctx.flush()
+    out = {
+        "rank": rank,
+        "ends": ends,
+        "warmup": config["warmup"],
+        "median_step_s": statistics.median(durations[config["warmup"] :]),
+        "staleness_max": ctx.stats.staleness_max if ctx else 0,
+        "staleness_mean": ctx.stats.staleness_mean if ctx else 0.0,
+    }
+    Path(config["out_dir"], f"rank{rank}.json").write_text(json.dumps(out))
+    ray.train.report({"done": True})
+
+
+def digits_loop(config: dict[str, Any]) -> None:
+    """Digits with the straggler; rank 0 records (seconds, test accuracy)."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    xtr, ytr, xte, yte = _common.digits_split()
+    xtr, ytr = xtr[rank::world], ytr[rank::world]
+    model = ray.train.torch.prepare_model(_common.digits_mlp())
+    opt = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9)
+    sleep_s = config["sleep_s"] if rank == 1 else 0.0
+    g = torch.Generator().manual_seed(rank)
+    curve = []
+    start = time.perf_counter()
+    for step in range(config["steps"]):
+        idx = torch.randint(0, len(xtr), (32,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
+        opt.step()
+        if sleep_s:
+            time.sleep(sleep_s)
+        if rank == 0 and step % config["eval_every"] == 0:
+            with torch.no_grad():
+                acc = (model(xte).argmax(1) == yte).float().mean().item()
+            curve.append((time.perf_counter() - start, acc))
+    if rank == 0:
+        with torch.no_grad():
+            curve.append((time.perf_counter() - start, (model(xte).argmax(1) == yte).float().mean().item()))
+        Path(config["out_dir"], "curve.json").write_text(json.dumps(curve))
+    ray.train.report({"done": True})
+
+
+def _fit(loop: Any, cfg: PSConfig, config: dict[str, Any], storage: str) -> None:
+    PSTrainer(
+        loop,
+        ps_config=cfg,
+        train_loop_config=config,
+        scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(storage_path=storage, name=f"run-{time.time_ns()}"),
+    ).fit()
+
+
+def measure_throughput(mode: str, sleep_s: float, args: argparse.Namespace, storage: str) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as out_dir:
+        _fit(
+            throughput_loop,
+            MODES[mode],
+            {
+                "width": args.width,
+                "batch": 32,
+                "steps": args.steps,
+                "warmup": args.warmup,
+                "sleep_s": sleep_s,
+                "out_dir": out_dir,
+            },
+            storage,
+        )
+        ranks = [json.loads(p.read_text()) for p in sorted(Path(out_dir).glob("rank*.json"))]
+    # The window in which every worker was past warm-up and still training.
+    t0 = max(r["ends"][r["warmup"] - 1] for r in ranks)
+    t1 = min(r["ends"][-1] for r in ranks)
+    steps = sum(sum(1 for t in r["ends"] if t0 < t <= t1) for r in ranks)
+    return {
+        "samples_per_s": steps * 32 / (t1 - t0),
+        "median_step_ms": [r["median_step_s"] * 1e3 for r in ranks],
+        "staleness_max": [r["staleness_max"] for r in ranks],
+        "staleness_mean": [r["staleness_mean"] for r in ranks],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--width", type=int, default=2048)
+    p.add_argument("--sleep-ms", type=float, default=60.0, help="straggler's extra time per step")
+    p.add_argument("--digits-steps", type=int, default=300)
+    p.add_argument("--quick", action="store_true", help="1 round, 20 steps, 100 digits steps")
+    p.add_argument("--out", default="benchmarks/results/straggler.json")
+    p.add_argument("--plot", default="docs/img/straggler_accuracy.png")
+    args = p.parse_args()
+    if args.quick:
+        args.rounds, args.steps, args.digits_steps = 1, 20, 100
+    sleep_s = args.sleep_ms / 1e3
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    rounds: list[dict[str, dict[str, Any]]] = []
+    curves: dict[str, list[tuple[float, float]]] = {}
+    with tempfile.TemporaryDirectory() as storage:
+        for r in range(args.rounds):
+            row = {}
+            for mode in MODES:
+                for straggler in (False, True):
+                    key = f"{mode}{'+straggler' if straggler else ''}"
+                    row[key] = measure_throughput(mode, sleep_s if straggler else 0.0, args, storage)
+                    print(f"round {r + 1} {key}: {row[key]['samples_per_s']:.0f} samples/s, "
+                          f"steps {row[key]['median_step_ms']} ms", flush=True)
+            rounds.append(row)
+        for mode in MODES:
+            with tempfile.TemporaryDirectory() as out_dir:
+                _fit(digits_loop, MODES[mode], {"lr": 0.05, "steps": args.digits_steps,
+                     "eval_every": 10, "sleep_s": sleep_s, "out_dir": out_dir}, storage)
+                curves[mode] = json.loads(Path(out_dir, "curve.json").read_text())
+            print(f"digits {mode}: final accuracy {curves[mode][-1][1]:.3f} after "
+                  f"{curves[mode][-1][0]:.1f} s", flush=True)
+    ray.shutdown()
+
+    keys = list(rounds[0])
+
+    def ratio(key: str, field: str = "samples_per_s", base: str = "ddp") -> float:
+        base_key = base + ("+straggler" if key.endswith("+straggler") else "")
+        if field == "samples_per_s":
+            return statistics.median(x[key][field] / x[base_key][field] for x in rounds)
+        # Step time of the fast worker (rank 0).
+        return statistics.median(x[key]["median_step_ms"][0] / x[base_key]["median_step_ms"][0] for x in rounds)
+
+    summary = {
+        **_common.machine_info(),
+        "args": vars(args),
+        "throughput_ratio_to_ddp": {k: ratio(k) for k in keys},
+        "rank0_step_ratio_to_ddp": {k: ratio(k, "step") for k in keys},
+        "samples_per_s": {k: statistics.median(x[k]["samples_per_s"] for x in rounds) for k in keys},
+        "final_digits_accuracy": {m: c[-1][1] for m, c in curves.items()},
+        "curves": curves,
+        "rounds": rounds,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=2))
+    _plot(curves, args.plot, args.sleep_ms)
+
+    print("\n| variant | samples/s (all workers) | throughput / DDP | rank-0 step / DDP | staleness max (rank 0, 1) |")
+    print("|---|---|---|---|---|")
+    for k in keys:
+        last = rounds[-1][k]
+        print(f"| {k} | {summary['samples_per_s'][k]:.0f} | {summary['throughput_ratio_to_ddp'][k]:.2f}x | "
+              f"{summary['rank0_step_ratio_to_ddp'][k]:.2f}x | {last['staleness_max']} |")
+    print(f"\nwrote {out} and {args.plot}")
+
+
+def _plot(curves: dict[str, list[tuple[float, float]]], path: str, sleep_ms: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode, curve in curves.items():
+        t, acc = np.array(curve).T
+        ax.plot(t, acc, label=mode, marker=".", markersize=3)
+    ax.set_xlabel("wall time (s)")
+    ax.set_ylabel("test accuracy (rank 0)")
+    ax.set_title(f"digits, 2 workers, rank 1 sleeps {sleep_ms:g} ms/step")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
