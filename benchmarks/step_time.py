@@ -79,6 +79,10 @@ VARIANTS = {
     "ps_sync": (PSConfig(strategy="ps", mode="sync"), True),
     # Same, with 4 MiB chunks instead of the 16 MiB default: shows what chunking costs.
     "ps_sync_4mib": (PSConfig(strategy="ps", mode="sync", chunk_bytes=4 << 20), True),
+    # 16-bit wire format: half the bytes, fp32 sums on the shards.
+    "ps_sync_bf16": (PSConfig(strategy="ps", mode="sync", compression="bf16"), True),
+    "ps_async": (PSConfig(strategy="ps", mode="async"), True),
+    "ps_async_bf16": (PSConfig(strategy="ps", mode="async", compression="bf16"), True),
 }
 
 
@@ -146,6 +150,12 @@ def main() -> None:
         "ps_bytes_per_worker_step": bytes_per_step,
         "min_bytes_per_worker_step": minimum,
         "bytes_over_minimum": bytes_per_step / minimum,
+        # 16-bit compression: against half the fp32 minimum.
+        "bf16_bytes_over_half_minimum": (
+            rounds[-1]["ps_sync_bf16"]["bytes_moved"]
+            / max(1, rounds[-1]["ps_sync_bf16"]["steps_synced"])
+            / (minimum / 2)
+        ),
         "rounds": rounds,
     }
     out = Path(args.out)

@@ -32,20 +32,30 @@ _ParamShard = ray.remote(ParamShardServer)
 def _shard_actor(cfg: PSConfig, shard: int, num_workers: int) -> tuple[Any, tuple[Any, ...]]:
     """The actor class of ``cfg.mode`` and its constructor arguments."""
     if cfg.mode == "sync":
-        return _SumShard, (shard, num_workers, cfg.ps_timeout_s)
+        return _SumShard, (shard, num_workers, cfg.ps_timeout_s, cfg.compression)
     staleness = cfg.staleness if cfg.mode == "ssp" else None
-    return _ParamShard, (shard, num_workers, staleness, cfg.ps_timeout_s)
+    return _ParamShard, (shard, num_workers, staleness, cfg.ps_timeout_s, cfg.compression)
 
 
-def _placements(worker_group: Any, num_servers: int) -> list[Any]:
+def _placements(worker_group: Any, num_servers: int | None, per_node: bool) -> list[Any]:
     """One scheduling strategy per shard: shard i goes where worker i % W lives.
+
+    With ``per_node`` there is one shard per node, with the node's lowest-rank worker.
+    ``num_servers=None`` means one per worker.
 
     The shard is put *inside* its worker's placement-group bundle with ``num_cpus=0``
     so it is reserved and released together with the workers and never competes with
     other trials for CPUs. Without an explicit strategy an actor created by the
     controller inside a Tune trial would be captured into the trial's group.
     """
-    workers = worker_group.get_workers()
+    workers = list(worker_group.get_workers())
+    if per_node:
+        first: dict[str, Any] = {}
+        for w in workers:
+            first.setdefault(w.metadata.node_id, w)
+        workers = list(first.values())
+        num_servers = len(workers)
+    num_servers = num_servers or len(workers)
     pg = None
     try:
         pg = worker_group.get_worker_group_state().placement_group_handle.placement_group
@@ -88,8 +98,11 @@ class PSBackend(_TorchBackend):
 
     def _start_servers(self, worker_group: Any, cfg: PSConfig) -> None:
         num_workers = len(worker_group)
-        num_servers = cfg.num_servers or num_workers
-        for i, strategy in enumerate(_placements(worker_group, num_servers)):
+        placements = _placements(
+            worker_group, cfg.num_servers, per_node=cfg.server_placement == "node"
+        )
+        num_servers = len(placements)
+        for i, strategy in enumerate(placements):
             actor_cls, args = _shard_actor(cfg, i, num_workers)
             self._servers.append(
                 actor_cls.options(
@@ -117,6 +130,7 @@ class PSBackend(_TorchBackend):
             timeout_s=cfg.ps_timeout_s,
             staleness=cfg.staleness if cfg.mode == "ssp" else None,
             nan_policy=cfg.nan_policy,
+            compression=cfg.compression,
         )
         ray.get(worker_group.execute_async(_worker.install_run, info), timeout=cfg.ps_timeout_s)
         logger.info("Started %d parameter-server shard(s) for %d workers.", num_servers, num_workers)

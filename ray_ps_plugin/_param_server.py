@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ray_ps_plugin._codec import Codec
 from ray_ps_plugin._server import ShardBase, ShardProtocolError, ShardTimeoutError
 
 __all__ = ["ParamShardServer", "Read", "Reply"]
@@ -56,9 +57,15 @@ class ParamShardServer(ShardBase):
     """
 
     def __init__(
-        self, shard_index: int, num_workers: int, staleness: int | None, timeout_s: float
+        self,
+        shard_index: int,
+        num_workers: int,
+        staleness: int | None,
+        timeout_s: float,
+        compression: str | None = None,
     ) -> None:
         super().__init__(shard_index, num_workers, timeout_s)
+        self._codec = Codec(compression)
         self.staleness = staleness
         self._params: torch.Tensor | None = None
         self._clocks = [0] * num_workers
@@ -109,6 +116,8 @@ class ParamShardServer(ShardBase):
                 size differs from the shard's (the workers' models differ).
         """
         params = await self._wait_initialised(rank)
+        wire_bytes = delta.nbytes
+        delta = self._codec.decode_np(delta)  # fp32 master parameters
         last = self._clocks[rank]
         if clock <= last:
             self._duplicates += 1  # a retried or duplicated delivery
@@ -129,7 +138,7 @@ class ParamShardServer(ShardBase):
             params.add_(update, alpha=1.0 / self.num_workers)
             self._clocks[rank] = clock
             self._pushes += 1
-            self._bytes_in += delta.nbytes
+            self._bytes_in += wire_bytes
             async with self._changed:
                 self._changed.notify_all()
         else:
@@ -197,7 +206,8 @@ class ParamShardServer(ShardBase):
         assert self._params is not None
         slowest = self._slowest()
         self._reads.append((rank, clock, slowest))
-        out = self._params.numpy().copy()  # later updates must not change the reply
+        # A fresh array: later updates must not change a reply Ray has not sent yet.
+        out = self._codec.encode_np(self._params.numpy())
         self._bytes_out += out.nbytes
         return out, tuple(self._clocks), slowest
 

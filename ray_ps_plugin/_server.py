@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from ray_ps_plugin._codec import Codec
+
 __all__ = ["ShardBase", "ShardServer", "ShardTimeoutError", "ShardProtocolError"]
 
 
@@ -38,6 +40,7 @@ class _Slot:
     step: int
     acc: np.ndarray
     ranks: set[int] = field(default_factory=set)
+    wire: np.ndarray | None = None  # the sum in the wire format, once complete
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -90,8 +93,15 @@ class ShardServer(ShardBase):
         timeout_s: How long a push waits for the other workers before it fails.
     """
 
-    def __init__(self, shard_index: int, num_workers: int, timeout_s: float) -> None:
+    def __init__(
+        self,
+        shard_index: int,
+        num_workers: int,
+        timeout_s: float,
+        compression: str | None = None,
+    ) -> None:
         super().__init__(shard_index, num_workers, timeout_s)
+        self._codec = Codec(compression)
         # Two slots per chunk, by step parity. A worker can push step s+2 only after
         # every worker pushed s+1, i.e. after every worker has received step s's sum,
         # so the slot of step s is free again by then and never reallocated.
@@ -116,6 +126,8 @@ class ShardServer(ShardBase):
             ShardTimeoutError: If the other workers do not push within the timeout.
             ShardProtocolError: If the step does not follow the chunk's current step.
         """
+        wire_bytes = grad.nbytes
+        grad = self._codec.decode_np(grad)  # fp32 accumulation whatever the wire
         slot = self._slot_for(step, key, grad)
         if rank in slot.ranks:
             self._duplicates += 1
@@ -126,7 +138,7 @@ class ShardServer(ShardBase):
                 np.copyto(slot.acc, grad)
             slot.ranks.add(rank)
             self._pushes += 1
-            self._bytes_in += grad.nbytes
+            self._bytes_in += wire_bytes
             if len(slot.ranks) == self.num_workers:
                 slot.done.set()
         if not slot.done.is_set():
@@ -139,8 +151,13 @@ class ShardServer(ShardBase):
                     f"{self.timeout_s:g}s for workers {missing}; a worker is stuck, dead "
                     "or its model differs. Raise PSConfig.ps_timeout_s if steps are slow."
                 ) from None
-        self._bytes_out += slot.acc.nbytes
-        return slot.acc
+        if not self._codec.active:
+            self._bytes_out += slot.acc.nbytes
+            return slot.acc
+        if slot.wire is None:
+            slot.wire = self._codec.encode_np(slot.acc)  # once per chunk and step
+        self._bytes_out += slot.wire.nbytes
+        return slot.wire
 
     def _slot_for(self, step: int, key: int, grad: np.ndarray) -> _Slot:
         slot = self._slots.get((key, step % 2))

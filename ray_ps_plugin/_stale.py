@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from ray_ps_plugin._codec import Codec
 from ray_ps_plugin._errors import PSError, PSTimeoutError, WaitTimeout, failed_indices
 from ray_ps_plugin._nonfinite import NonFiniteGuard
 from ray_ps_plugin._stats import PSStats
@@ -125,6 +126,7 @@ class StaleClient:
         timeout_s: Bound on every wait for a shard.
         nan_policy: ``PSConfig.nan_policy``, checked on the local gradients.
         remote_shards: Shards on other nodes, whose traffic is counted as crossing.
+        codec: Wire format of deltas and parameters (default fp32).
 
     Raises:
         TypeError: If the trainable parameters are not all of one floating dtype.
@@ -141,8 +143,10 @@ class StaleClient:
         timeout_s: float,
         nan_policy: str = "raise",
         remote_shards: frozenset[int] = frozenset(),
+        codec: Codec | None = None,
     ) -> None:
         self._remote = remote_shards
+        self._codec = codec or Codec(None)
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
             raise TypeError(
@@ -234,7 +238,7 @@ class StaleClient:
             with self._lock:
                 self._stats.wait_s += time.perf_counter() - started
         self._clock += 1
-        delta = self._delta.numpy()
+        delta = self._codec.encode(self._delta)
         # Ray serialises each argument inside .remote(): ``_delta`` may be reused
         # as soon as these calls return.
         handles = [
@@ -315,9 +319,8 @@ class StaleClient:
 
     def _install(self, replies: list[Any], plus: torch.Tensor | None = None) -> None:
         """Writes the shards' replies (plus an own, unconfirmed step) into the model."""
-        base = self._base.numpy()
         for (a, b), (arr, _, _) in zip(self._slices(), replies):
-            base[a:b] = arr
+            self._base[a:b].copy_(self._codec.decode(arr))
         if plus is not None:
             self._base.add_(plus)
         offset = 0

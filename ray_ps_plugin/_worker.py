@@ -39,6 +39,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+from ray_ps_plugin._codec import Codec
 from ray_ps_plugin._errors import PSError, PSTimeoutError, WaitTimeout, failed_indices
 from ray_ps_plugin._layout import Piece, StreamLayout
 from ray_ps_plugin._nonfinite import NonFiniteGuard, all_finite
@@ -71,6 +72,7 @@ class RunInfo:
         timeout_s: Bound on every wait for a shard.
         staleness: The ssp bound; ``None`` in the other modes.
         nan_policy: What a step with NaN/Inf gradients does.
+        compression: Wire format: ``None`` (fp32), ``"bf16"`` or ``"fp16"``.
     """
 
     servers: Sequence[Any]
@@ -80,6 +82,7 @@ class RunInfo:
     timeout_s: float
     staleness: int | None = None
     nan_policy: str = "raise"
+    compression: str | None = None
 
 
 @dataclass(frozen=True)
@@ -177,6 +180,7 @@ class PSClient:
         timeout_s: Bound on every wait for a shard.
         guard: Applies ``nan_policy``; the comm thread flags non-finite sums to it.
         remote_shards: Shards on other nodes, whose traffic is counted as crossing.
+        codec: Wire format of gradient chunks and sums (default fp32).
     """
 
     def __init__(
@@ -188,8 +192,10 @@ class PSClient:
         timeout_s: float,
         guard: "NonFiniteGuard | None" = None,
         remote_shards: frozenset[int] = frozenset(),
+        codec: Codec | None = None,
     ) -> None:
         self.guard = guard
+        self._codec = codec or Codec(None)
         self._remote = remote_shards
         self._transport = transport
         self._layout = layout
@@ -219,8 +225,9 @@ class PSClient:
                 self._stats.steps += 1
         step = self._stats.steps
         buf.div_(self._world_size)
-        # A CPU bucket is shared with numpy as is; a GPU bucket is staged on the host.
-        host = buf.detach().cpu().numpy() if buf.is_cuda else buf.detach().numpy()
+        # An uncompressed CPU bucket is shared with numpy as is; a GPU bucket is
+        # staged on the host; compression encodes a 16-bit host copy.
+        host = self._codec.encode(buf)
         pieces = self._layout.cut(self._stream_offset, buf.numel(), buf.element_size())
         self._stream_offset += buf.numel() * buf.element_size()
         # Ray serialises each argument inside .remote(), so the bucket may be reused
@@ -231,7 +238,7 @@ class PSClient:
         ]
         with self._lock:
             for p in pieces:
-                nbytes = p.numel * buf.element_size()
+                nbytes = p.numel * host.itemsize
                 self._stats.bytes_pushed += nbytes
                 self._stats.bytes_pushed_per_shard[p.shard] += nbytes
                 if p.shard in self._remote:
@@ -279,17 +286,21 @@ class PSClient:
     def _complete(self, item: _Pending) -> None:
         results = self._transport.wait(item.handles, self._timeout_s)
         nbytes = cross = 0
+        direct = not self._codec.active
         for p, r in zip(item.pieces, results):
-            item.host[p.start : p.stop] = r
+            if direct:
+                item.host[p.start : p.stop] = r
+            else:
+                item.bucket[p.start : p.stop].copy_(self._codec.decode(r))
             nbytes += r.nbytes
             if p.shard in self._remote:
                 cross += r.nbytes
-        if item.bucket.is_cuda:
+        if direct and item.bucket.is_cuda:
             item.bucket.copy_(torch.from_numpy(item.host), non_blocking=False)
         if (
             self.guard is not None
             and self.guard.policy != "ignore"
-            and not all_finite(item.host)
+            and not all_finite(item.bucket)
         ):
             # Every worker holds the same sum, so every worker flags the same step.
             self.guard.flag(item.step)
@@ -478,6 +489,7 @@ class PSDistributedDataParallel(DistributedDataParallel):
                 timeout_s=info.timeout_s,
                 guard=NonFiniteGuard(info.nan_policy, rank, params, check_local=False),
                 remote_shards=remote,
+                codec=Codec(info.compression),
             )
             _CLIENTS.append(client)
             self.register_comm_hook(None, client.hook)
@@ -492,6 +504,7 @@ class PSDistributedDataParallel(DistributedDataParallel):
             timeout_s=info.timeout_s,
             nan_policy=info.nan_policy,
             remote_shards=remote,
+            codec=Codec(info.compression),
         )
         _CLIENTS.append(stale)
         stale.start()

@@ -9,12 +9,14 @@ from typing import Any
 
 from ray.train.torch.config import TorchConfig, TorchConfigContextManager, _TorchBackend
 
+from ray_ps_plugin._codec import COMPRESSIONS
 from ray_ps_plugin._nonfinite import NAN_POLICIES
 
-__all__ = ["PSConfig", "STRATEGIES", "MODES", "NAN_POLICIES"]
+__all__ = ["PSConfig", "STRATEGIES", "MODES", "NAN_POLICIES", "COMPRESSIONS", "SERVER_PLACEMENTS"]
 
 STRATEGIES = ("ddp", "ps")
 MODES = ("sync", "async", "ssp")
+SERVER_PLACEMENTS = ("worker", "node")
 
 
 @dataclass
@@ -49,6 +51,12 @@ class PSConfig(TorchConfig):
         nan_policy: What a step whose gradients hold NaN or Inf does: ``"raise"``
             (fail with an error naming rank and step), ``"skip"`` (the optimizer
             step is dropped, with a warning) or ``"ignore"`` (no check, like DDP).
+        compression: ``None`` (fp32 on the wire), ``"bf16"`` or ``"fp16"``: what
+            workers and shards send each other as 16-bit values, halving the bytes.
+            Shards keep fp32 sums and fp32 master parameters.
+        server_placement: ``"worker"`` (one shard per worker, in its bundle; or
+            ``num_servers`` shards round-robin over the workers) or ``"node"`` (one
+            shard per node, in the bundle of that node's lowest-rank worker).
         backend: Torch process-group backend (see TorchConfig). The PS strategy still
             starts one, because DDP's constructor broadcasts rank 0's initial
             parameters and buffers through it.
@@ -68,6 +76,8 @@ class PSConfig(TorchConfig):
     ps_timeout_s: float = 120.0
     ps_start_timeout_s: float = 120.0
     nan_policy: str = "raise"
+    compression: str | None = None
+    server_placement: str = "worker"
 
     def __post_init__(self) -> None:
         _check_choice("strategy", self.strategy, STRATEGIES)
@@ -84,6 +94,14 @@ class PSConfig(TorchConfig):
         _check_seconds("ps_timeout_s", self.ps_timeout_s)
         _check_seconds("ps_start_timeout_s", self.ps_start_timeout_s)
         _check_choice("nan_policy", self.nan_policy, NAN_POLICIES)
+        if self.compression is not None:
+            _check_choice("compression", self.compression, COMPRESSIONS)
+        _check_choice("server_placement", self.server_placement, SERVER_PLACEMENTS)
+        if self.server_placement == "node" and self.num_servers is not None:
+            raise ValueError(
+                f"PSConfig.server_placement='node' starts one shard per node and cannot "
+                f"be combined with num_servers={self.num_servers}; drop one of them."
+            )
 
     @property
     def backend_cls(self) -> type[_TorchBackend]:
@@ -112,6 +130,8 @@ class PSConfig(TorchConfig):
             "ps_timeout_s": self.ps_timeout_s,
             "ps_start_timeout_s": self.ps_start_timeout_s,
             "nan_policy": self.nan_policy,
+            "compression": self.compression,
+            "server_placement": self.server_placement,
         }
 
 

@@ -45,6 +45,8 @@ def runs(ray_cluster, tmp_path_factory):
             storage, "ssp2_adam", {**ADAM, **STRAGGLER, "out_dir": str(out)},
             mode="ssp", staleness=2,
         ),
+        "sync_sgd_bf16": _fit(storage, "sync_sgd_bf16", SGD, compression="bf16"),
+        "async_sgd_fp16": _fit(storage, "async_sgd_fp16", SGD, mode="async", compression="fp16"),
         "out_dir": out,
     }
 
@@ -107,3 +109,11 @@ def test_a_redelivered_push_is_applied_once(runs, name):
 def test_no_server_outlives_the_runs(runs):
     assert loops.wait_until(lambda: loops.live_shards() == 0)
     assert loops.wait_until(lambda: loops.live_placement_groups() == 0)
+
+
+@pytest.mark.parametrize(("name", "ref"), [("sync_sgd_bf16", "sync_sgd"), ("async_sgd_fp16", "async_sgd")])
+def test_16_bit_compression_halves_bytes_within_one_point(runs, name, ref):
+    m, r = runs[name].metrics, runs[ref].metrics
+    assert m["accuracy"] >= r["accuracy"] - 0.01, (m["accuracy"], r["accuracy"])
+    assert m["ps"]["bytes_pushed"] * 2 == r["ps"]["bytes_pushed"]
+    assert m["ps"]["bytes_pulled"] * 2 == r["ps"]["bytes_pulled"] or name.startswith("async")

@@ -16,12 +16,12 @@ SPREAD = ScalingConfig(
 )
 
 
-def _fit(storage, name, **ps):
+def _fit(storage, name, scaling=SPREAD, steps=20, **ps):
     return PSTrainer(
         loops.equivalence_loop,
-        train_loop_config={"steps": 20},
+        train_loop_config={"steps": steps},
         ps_config=PSConfig(**ps),
-        scaling_config=SPREAD,
+        scaling_config=scaling,
         run_config=RunConfig(storage_path=storage, name=name, failure_config=FailureConfig(0)),
     ).fit()
 
@@ -33,6 +33,12 @@ def runs(ray_cluster, tmp_path_factory):
     return {
         "ddp": _fit(storage, "ddp", strategy="ddp"),
         "ps": _fit(storage, "ps", strategy="ps", chunk_bytes=4096),
+        # Four workers, two per node: one shard per node.
+        "per_node": _fit(
+            storage, "per_node", steps=4, server_placement="node",
+            scaling=ScalingConfig(num_workers=4, resources_per_worker={"CPU": 0.5},
+                                  placement_strategy="SPREAD"),
+        ),
     }
 
 
@@ -41,6 +47,12 @@ def test_each_shard_runs_on_its_workers_node(runs):
     nodes = m["ps_server_nodes"]
     assert len(set(nodes)) == 2  # the workers are on two nodes, so are the shards
     assert nodes[0] == m["worker_node"]  # shard 0 sits with rank 0
+
+
+def test_one_shard_per_node_when_asked(runs):
+    m = runs["per_node"].metrics
+    assert m["ps_num_servers"] == 2 and len(set(m["ps_server_nodes"])) == 2
+    assert m["worker_node"] in m["ps_server_nodes"]
 
 
 def test_cross_node_bytes_are_counted(runs):

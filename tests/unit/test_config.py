@@ -75,3 +75,14 @@ def test_nan_policy_is_validated():
     assert PSConfig(nan_policy="skip").to_dict()["nan_policy"] == "skip"
     with pytest.raises(ValueError, match="nan_policy='drop' is unknown"):
         PSConfig(nan_policy="drop")
+
+
+def test_compression_and_server_placement_are_validated():
+    cfg = PSConfig(compression="bf16", server_placement="node")
+    assert cfg.to_dict()["compression"] == "bf16"
+    with pytest.raises(ValueError, match="compression='int8' is unknown"):
+        PSConfig(compression="int8")
+    with pytest.raises(ValueError, match="server_placement='rack' is unknown"):
+        PSConfig(server_placement="rack")
+    with pytest.raises(ValueError, match="cannot be combined with num_servers=2"):
+        PSConfig(server_placement="node", num_servers=2)
