@@ -59,7 +59,8 @@ def digits_loop(config: dict[str, Any]) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.manual_seed(config.get("seed", 0))
-    xtr, ytr, xte, yte = load_digits_split()
+    device = ray.train.torch.get_device()  # a GPU under use_gpu=True
+    xtr, ytr, xte, yte = (t.to(device) for t in load_digits_split())
     xtr, ytr = xtr[rank::world], ytr[rank::world]
     model = ray.train.torch.prepare_model(make_model())
     opt = make_optimizer(config.get("optimizer", "sgd"), model.parameters(), config["lr"])

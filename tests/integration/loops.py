@@ -129,7 +129,7 @@ def slow_rank_loop(config: dict[str, Any]) -> None:
 
 def load_state(result: ray.train.Result) -> dict[str, torch.Tensor]:
     with result.checkpoint.as_directory() as d:
-        return torch.load(f"{d}/model.pt", weights_only=True)
+        return torch.load(f"{d}/model.pt", weights_only=True, map_location="cpu")
 
 
 def live_shards() -> int:

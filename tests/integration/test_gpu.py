@@ -1,0 +1,46 @@
+"""The GPU path: NCCL process group, CUDA buckets staged through host memory.
+
+Needs two GPUs in the test cluster; skipped otherwise (and on CI). Run with
+``pytest -m gpu tests/integration/test_gpu.py`` on a GPU machine.
+"""
+
+import pytest
+import ray
+from ray.train import FailureConfig, RunConfig, ScalingConfig
+
+from ray_ps_plugin import PSConfig, PSTrainer
+from tests.integration import digits, loops
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("ray_cluster")]
+
+
+@pytest.fixture(scope="module")
+def gpu_scaling(ray_cluster):
+    if ray.cluster_resources().get("GPU", 0) < 2:
+        pytest.skip("needs 2 GPUs in the Ray cluster")
+    return ScalingConfig(num_workers=2, use_gpu=True)
+
+
+def _fit(storage, name, loop, config, scaling, **ps):
+    return PSTrainer(
+        loop,
+        train_loop_config=config,
+        ps_config=PSConfig(**ps),
+        scaling_config=scaling,
+        run_config=RunConfig(storage_path=storage, name=name, failure_config=FailureConfig(0)),
+    ).fit()
+
+
+def test_sync_ps_on_gpus_equals_ddp(gpu_scaling, storage):
+    ddp = _fit(storage, "gpu_ddp", loops.equivalence_loop, {"steps": 20}, gpu_scaling,
+               strategy="ddp")
+    ps = _fit(storage, "gpu_ps", loops.equivalence_loop, {"steps": 20}, gpu_scaling)
+    a, b = loops.load_state(ddp), loops.load_state(ps)
+    assert max((a[k].double().cpu() - b[k].double().cpu()).abs().max().item() for k in a) <= 1e-5
+
+
+@pytest.mark.parametrize("ps", [{"mode": "async"}, {"mode": "sync", "compression": "bf16"}])
+def test_other_modes_train_on_gpus(gpu_scaling, storage, ps):
+    result = _fit(storage, f"gpu_{ps['mode']}", digits.digits_loop,
+                  {"epochs": 3, "lr": 0.05, "optimizer": "sgd"}, gpu_scaling, **ps)
+    assert result.metrics["accuracy"] > 0.9
