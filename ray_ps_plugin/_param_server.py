@@ -115,6 +115,10 @@ class ParamShardServer(ShardBase):
             ShardProtocolError: An update is missing (clock jumps) or the slice's
                 size differs from the shard's (the workers' models differ).
         """
+        with self._queued():
+            return await self._push_pull(rank, clock, delta)
+
+    async def _push_pull(self, rank: int, clock: int, delta: np.ndarray) -> Reply:
         params = await self._wait_initialised(rank)
         wire_bytes = delta.nbytes
         delta = self._codec.decode_np(delta)  # fp32 master parameters
@@ -155,8 +159,9 @@ class ParamShardServer(ShardBase):
             rank: The reading worker.
             clock: The reader's current clock.
         """
-        await self._wait_initialised(rank)
-        return await self._read(rank, clock)
+        with self._queued():
+            await self._wait_initialised(rank)
+            return await self._read(rank, clock)
 
     async def finish(self, rank: int) -> None:
         """Marks a worker whose loop ended: the others stop waiting for it."""

@@ -14,13 +14,19 @@ thousands of pushes may wait concurrently without holding a thread each.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ray_ps_plugin._codec import Codec
+from ray_ps_plugin._metrics import ShardMetrics
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ShardBase", "ShardServer", "ShardTimeoutError", "ShardProtocolError"]
 
@@ -62,12 +68,28 @@ class ShardBase:
         self._pushes = 0
         self._duplicates = 0
         self._started = time.time()
+        self._metrics: ShardMetrics | None = None
 
     def ready(self) -> dict[str, Any]:
-        """Answers once the actor is up; tells where it runs."""
+        """Answers once the actor is up; tells where it runs; starts its metrics."""
         import ray
 
+        try:
+            self._metrics = ShardMetrics(self.shard_index)
+        except Exception:  # noqa: BLE001 - metrics are optional, training is not
+            logger.debug("shard %d: no metrics", self.shard_index, exc_info=True)
         return {"shard": self.shard_index, "node_id": ray.get_runtime_context().get_node_id()}
+
+    @contextlib.contextmanager
+    def _queued(self) -> Iterator[None]:
+        """Counts a call as waiting on this shard for as long as it runs."""
+        if self._metrics is not None:
+            self._metrics.enter()
+        try:
+            yield
+        finally:
+            if self._metrics is not None:
+                self._metrics.leave()
 
     def stats(self) -> dict[str, Any]:
         """Counters since start: bytes in/out, pushes, duplicate pushes ignored."""
@@ -126,6 +148,10 @@ class ShardServer(ShardBase):
             ShardTimeoutError: If the other workers do not push within the timeout.
             ShardProtocolError: If the step does not follow the chunk's current step.
         """
+        with self._queued():
+            return await self._push_pull(step, key, rank, grad)
+
+    async def _push_pull(self, step: int, key: int, rank: int, grad: np.ndarray) -> np.ndarray:
         wire_bytes = grad.nbytes
         grad = self._codec.decode_np(grad)  # fp32 accumulation whatever the wire
         slot = self._slot_for(step, key, grad)

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ray_ps_plugin._codec import Codec
+from ray_ps_plugin._metrics import WorkerMetrics
 from ray_ps_plugin._errors import PSError, PSTimeoutError, WaitTimeout, failed_indices
 from ray_ps_plugin._nonfinite import NonFiniteGuard
 from ray_ps_plugin._stats import PSStats
@@ -127,6 +128,7 @@ class StaleClient:
         nan_policy: ``PSConfig.nan_policy``, checked on the local gradients.
         remote_shards: Shards on other nodes, whose traffic is counted as crossing.
         codec: Wire format of deltas and parameters (default fp32).
+        metrics: Exports the counters through ``ray.util.metrics`` (optional).
 
     Raises:
         TypeError: If the trainable parameters are not all of one floating dtype.
@@ -144,7 +146,9 @@ class StaleClient:
         nan_policy: str = "raise",
         remote_shards: frozenset[int] = frozenset(),
         codec: Codec | None = None,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
+        self._metrics = metrics
         self._remote = remote_shards
         self._codec = codec or Codec(None)
         dtypes = {p.dtype for p in params}
@@ -263,6 +267,8 @@ class StaleClient:
                 self._stats.bytes_pushed_per_shard[s] += (b - a) * delta.itemsize
                 if s in self._remote:
                     self._stats.bytes_cross_node += (b - a) * delta.itemsize
+        if self._metrics is not None and self._metrics.due():
+            self._metrics.export(self.snapshot())
 
     # --- consistency points -------------------------------------------------------
     def flush(self) -> None:

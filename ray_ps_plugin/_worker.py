@@ -42,6 +42,7 @@ from torch.optim.optimizer import (
 from ray_ps_plugin._codec import Codec
 from ray_ps_plugin._errors import PSError, PSTimeoutError, WaitTimeout, failed_indices
 from ray_ps_plugin._layout import Piece, StreamLayout
+from ray_ps_plugin._metrics import WorkerMetrics
 from ray_ps_plugin._nonfinite import NonFiniteGuard, all_finite
 from ray_ps_plugin._stale import RayStaleTransport, StaleClient
 from ray_ps_plugin._stats import PSStats
@@ -181,6 +182,7 @@ class PSClient:
         guard: Applies ``nan_policy``; the comm thread flags non-finite sums to it.
         remote_shards: Shards on other nodes, whose traffic is counted as crossing.
         codec: Wire format of gradient chunks and sums (default fp32).
+        metrics: Exports the counters through ``ray.util.metrics`` (optional).
     """
 
     def __init__(
@@ -193,8 +195,10 @@ class PSClient:
         guard: "NonFiniteGuard | None" = None,
         remote_shards: frozenset[int] = frozenset(),
         codec: Codec | None = None,
+        metrics: "WorkerMetrics | None" = None,
     ) -> None:
         self.guard = guard
+        self._metrics = metrics
         self._codec = codec or Codec(None)
         self._remote = remote_shards
         self._transport = transport
@@ -309,6 +313,8 @@ class PSClient:
             self._stats.bytes_cross_node += cross
             self._stats.last_sync_s = time.perf_counter() - item.started
         item.future.set_result(item.bucket)
+        if self._metrics is not None and self._metrics.due():
+            self._metrics.export(self.snapshot())
 
     def snapshot(self) -> PSStats:
         """A copy of the counters, safe to read from the training thread."""
@@ -418,6 +424,14 @@ def get_ps_context() -> PSContext | None:
     )
 
 
+def _worker_metrics(mode: str, rank: int) -> "WorkerMetrics | None":
+    try:
+        return WorkerMetrics({"mode": mode, "rank": str(rank)})
+    except Exception:  # noqa: BLE001 - metrics are optional, training is not
+        logging.getLogger(__name__).debug("no metrics export", exc_info=True)
+        return None
+
+
 def check_supported(module: torch.nn.Module) -> None:
     """Raises early for models the parameter servers cannot synchronise.
 
@@ -490,6 +504,7 @@ class PSDistributedDataParallel(DistributedDataParallel):
                 guard=NonFiniteGuard(info.nan_policy, rank, params, check_local=False),
                 remote_shards=remote,
                 codec=Codec(info.compression),
+                metrics=_worker_metrics(info.mode, rank),
             )
             _CLIENTS.append(client)
             self.register_comm_hook(None, client.hook)
@@ -505,6 +520,7 @@ class PSDistributedDataParallel(DistributedDataParallel):
             nan_policy=info.nan_policy,
             remote_shards=remote,
             codec=Codec(info.compression),
+            metrics=_worker_metrics(info.mode, rank),
         )
         _CLIENTS.append(stale)
         stale.start()
