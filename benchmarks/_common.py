@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 from datetime import date
 from typing import Any
 
@@ -45,3 +46,30 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "ray": ray.__version__,
     }
+
+
+def prepared_mlp_steps(config: dict[str, Any], lr: float) -> tuple[nn.Module, list[float]]:
+    """Inside a Train worker: prepares the reference MLP and times SGD steps on one batch.
+
+    Config keys: ``width``, ``sync`` (False: no DDP wrap, the compute floor),
+    ``warmup`` and ``steps``. Returns the prepared model and the timed steps' seconds
+    (``zero_grad`` + forward + backward + ``optimizer.step()``, warm-up dropped).
+    """
+    import ray.train.torch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = ray.train.torch.prepare_model(
+        reference_mlp(config["width"]), parallel_strategy="ddp" if config["sync"] else None
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    x, y = torch.randn(32, 784), torch.randint(0, 10, (32,))
+    times = []
+    for step in range(config["warmup"] + config["steps"]):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        if step >= config["warmup"]:
+            times.append(time.perf_counter() - t0)
+    return model, times

@@ -32,9 +32,6 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
 
 import ray  # noqa: E402
 import ray.train  # noqa: E402
-import ray.train.torch  # noqa: E402
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
 from ray import cloudpickle  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.train import RunConfig, ScalingConfig  # noqa: E402
@@ -62,20 +59,7 @@ def width_for(params_m: float) -> int:
 
 
 def loop(config: dict[str, Any]) -> None:
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = _common.reference_mlp(config["width"])
-    model = ray.train.torch.prepare_model(model, parallel_strategy="ddp" if config["sync"] else None)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    x, y = torch.randn(32, 784), torch.randint(0, 10, (32,))
-    times = []
-    for step in range(config["warmup"] + config["steps"]):
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-        if step >= config["warmup"]:
-            times.append(time.perf_counter() - t0)
+    model, times = _common.prepared_mlp_steps(config, lr=1e-4)
     ctx = get_ps_context()
     stats = ctx.stats if ctx is not None else None
     metrics = {
