@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -77,11 +78,15 @@ def train_fn(config: dict[str, Any]) -> None:
             if step >= config["steps"]:
                 break
     warm = min(3, len(times) - 1)
-    ray.train.report({
+    metrics = {
         "median_step_s": statistics.median(times[warm:]),
         "loss_last": statistics.mean(losses[-5:]),
         "loss_first": statistics.mean(losses[:5]),
-    })
+    }
+    # Ray Train V2 keeps the metrics reported together with a checkpoint.
+    with tempfile.TemporaryDirectory() as d:
+        Path(d, "metrics.json").write_text(json.dumps(metrics))
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
 
 
 def run(name: str, args: argparse.Namespace) -> dict[str, Any]:
