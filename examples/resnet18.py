@@ -61,7 +61,7 @@ def train_fn(config: dict[str, Any]) -> None:
     torch.set_num_threads(config["threads"])
     torch.manual_seed(0)
     model = ray.train.torch.prepare_model(torchvision.models.resnet18(num_classes=10))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9)
     loader = torch.utils.data.DataLoader(dataset(config), batch_size=config["batch"], shuffle=True)
     loader = ray.train.torch.prepare_data_loader(loader)
     times, losses, step = [], [], 0
@@ -93,7 +93,7 @@ def run(name: str, args: argparse.Namespace) -> dict[str, Any]:
     result = PSTrainer(
         train_fn,
         ps_config=VARIANTS[name],
-        train_loop_config={"steps": args.steps, "batch": args.batch, "threads": 1,
+        train_loop_config={"steps": args.steps, "batch": args.batch, "threads": 1, "lr": args.lr,
                            "samples": args.samples, "download": args.download, "data": args.data},
         scaling_config=ScalingConfig(num_workers=args.workers, resources_per_worker={"CPU": 1}),
         run_config=RunConfig(storage_path=args.storage, name=f"resnet18-{name}-{time.time_ns()}"),
@@ -113,6 +113,7 @@ def main() -> None:
     p.add_argument("--variants", default="ddp,ps_sync,ps_async")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--samples", type=int, default=512, help="FakeData size")
     p.add_argument("--download", action="store_true", help="real CIFAR-10 (needs a network)")
