@@ -320,6 +320,9 @@ class _Reaper:
     async def run(self) -> None:
         while not self._stopped.is_set():
             try:
+                # Deliberately no timeout: a busy controller is alive, and treating a
+                # slow answer as death would free the placement group of a live run.
+                # Death itself is reported promptly as RayActorError.
                 await self._controller.__ray_ready__.remote()
             except ray.exceptions.ActorUnavailableError:
                 pass  # transient (e.g. a network blip); keep asking
