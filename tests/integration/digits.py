@@ -5,7 +5,6 @@ No download: the data ships inside scikit-learn. Shipped to workers by value.
 
 import dataclasses
 import json
-import tempfile
 import time
 from typing import Any
 
@@ -18,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from ray_ps_plugin import get_ps_context
+from tests.integration.loops import report_with_model
 
 
 def load_digits_split(seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -103,13 +103,7 @@ def digits_loop(config: dict[str, Any]) -> None:
         # Result.metrics holds rank 0's report only; every rank leaves its own here.
         with open(f"{config['out_dir']}/rank{rank}.json", "w") as f:
             json.dump(metrics, f)
-    # Result.metrics of Ray Train V2 are those reported with the latest checkpoint.
-    with tempfile.TemporaryDirectory() as d:
-        checkpoint = None
-        if rank == 0:
-            torch.save(model.module.state_dict(), f"{d}/model.pt")
-            checkpoint = ray.train.Checkpoint.from_directory(d)
-        ray.train.report(metrics, checkpoint=checkpoint)
+    report_with_model(model, metrics)
 
 
 def probe_servers(model: nn.Module) -> dict[str, Any]:

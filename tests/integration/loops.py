@@ -100,6 +100,14 @@ def report_state(model: nn.Module, metrics: dict[str, Any]) -> None:
     metrics["trainable_bytes"] = sum(
         p.numel() * p.element_size() for p in model.parameters() if p.requires_grad
     )
+    report_with_model(model, metrics)
+
+
+def report_with_model(model: nn.Module, metrics: dict[str, Any]) -> None:
+    """Every rank reports; rank 0 attaches ``model.module.state_dict()`` as model.pt.
+
+    Result.metrics of Ray Train V2 are those reported with the latest checkpoint.
+    """
     with tempfile.TemporaryDirectory() as d:
         checkpoint = None
         if ray.train.get_context().get_world_rank() == 0:
@@ -209,12 +217,7 @@ def tune_loop(config: dict[str, Any]) -> None:
                 worker_node=ray.get_runtime_context().get_node_id(),
                 **ownership,
             )
-        with tempfile.TemporaryDirectory() as d:
-            checkpoint = None
-            if rank == 0:
-                torch.save(model.module.state_dict(), f"{d}/model.pt")
-                checkpoint = ray.train.Checkpoint.from_directory(d)
-            ray.train.report(metrics, checkpoint=checkpoint)
+        report_with_model(model, metrics)
         time.sleep(config.get("report_sleep_s", 0.0))
 
 
