@@ -2,12 +2,13 @@
 
 Sweeps the reference MLP's width (about 1 M to 50 M parameters) and the number of
 workers (1, 2, 4) on a simulated two-node cluster (``ray.cluster_utils.Cluster``: two
-raylets, two object stores, one machine), for compute-only, DDP, PS-sync and
-PS-async. Each point is one ``fit()`` of a few steps; rank 0 reports the median step
-time, the bytes it moved per step and its peak resident memory. Writes a CSV and a PNG
-(step time against parameters, one panel per worker count).
+raylets, two object stores, one machine), for compute-only, DDP, PS-sync, PS-sync
+with bf16 compression and PS-async. Each point is one ``fit()`` of a few steps; rank 0
+reports the median step time, the bytes it moved per step (all, and across nodes) and
+its peak resident memory. Writes a CSV and a PNG (step time against parameters, one
+panel per worker count).
 
-    python benchmarks/cost_curves.py              # 4 sizes x 3 worker counts x 4 variants
+    python benchmarks/cost_curves.py              # 4 sizes x 3 worker counts x 5 variants
     python benchmarks/cost_curves.py --quick      # 2 sizes x 2 worker counts
 
 With one worker ``prepare_model`` does not wrap the model, so DDP and PS cost what
@@ -47,6 +48,8 @@ VARIANTS = {
     "compute": (PSConfig(strategy="ddp"), False),
     "ddp": (PSConfig(strategy="ddp"), True),
     "ps_sync": (PSConfig(strategy="ps", mode="sync"), True),
+    # 16-bit on the wire: halves what crosses nodes (shared memory stays fp32).
+    "ps_sync_bf16": (PSConfig(strategy="ps", mode="sync", compression="bf16"), True),
     "ps_async": (PSConfig(strategy="ps", mode="async"), True),
 }
 
@@ -65,6 +68,9 @@ def loop(config: dict[str, Any]) -> None:
     metrics = {
         "median_step_s": statistics.median(times),
         "bytes_per_step": (stats.bytes_pushed + stats.bytes_pulled) / max(1, stats.steps)
+        if stats
+        else 0.0,
+        "cross_node_bytes_per_step": stats.bytes_cross_node / max(1, stats.steps)
         if stats
         else 0.0,
         # Linux reports ru_maxrss in KiB.
@@ -118,7 +124,9 @@ def main() -> None:
                     m = result.metrics
                     row = {"variant": name, "workers": w, "params": m["params"],
                            "step_ms": m["median_step_s"] * 1e3,
-                           "bytes_per_step": m["bytes_per_step"], "peak_rss_mb": m["peak_rss_mb"]}
+                           "bytes_per_step": m["bytes_per_step"],
+                           "cross_node_bytes_per_step": m["cross_node_bytes_per_step"],
+                           "peak_rss_mb": m["peak_rss_mb"]}
                     rows.append(row)
                     print(", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
                                     for k, v in row.items()), flush=True)

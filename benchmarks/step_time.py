@@ -46,6 +46,11 @@ def bench_loop(config: dict[str, Any]) -> None:
     metrics = {
         "median_step_s": statistics.median(times),
         "steps_synced": stats.steps if stats else 0,
+        # Remote calls this worker made to the shards (one per chunk; each both
+        # pushes and pulls), to check "at most 2 per step per shard".
+        "calls_per_step_per_shard": (
+            stats.pushes / max(1, stats.steps) / ctx.num_servers if stats else 0
+        ),
         "bytes_moved": (stats.bytes_pushed + stats.bytes_pulled) if stats else 0,
         "model_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
     }
@@ -58,6 +63,8 @@ VARIANTS = {
     "compute": (PSConfig(strategy="ddp"), False),
     "ddp": (PSConfig(strategy="ddp"), True),
     "ps_sync": (PSConfig(strategy="ps", mode="sync"), True),
+    # Same, every byte through Ray's object store instead of shared memory.
+    "ps_sync_objstore": (PSConfig(strategy="ps", mode="sync", shared_memory=False), True),
     # Same, with 4 MiB chunks instead of the 16 MiB default: shows what chunking costs.
     "ps_sync_4mib": (PSConfig(strategy="ps", mode="sync", chunk_bytes=4 << 20), True),
     # 16-bit wire format: half the bytes, fp32 sums on the shards.
@@ -94,16 +101,25 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--quick", action="store_true", help="1 round, 10 steps, width 512")
+    p.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help="comma-separated subset to run (compute, ddp and ps_sync are always run)",
+    )
     p.add_argument("--out", default="benchmarks/results/step_time.json")
     args = p.parse_args()
     if args.quick:
         args.rounds, args.steps, args.width = 1, 10, 512
+    names = list(dict.fromkeys(["compute", "ddp", "ps_sync", *args.variants.split(",")]))
+    unknown = set(names) - set(VARIANTS)
+    if unknown:
+        p.error(f"unknown variant(s) {sorted(unknown)}; choose from {list(VARIANTS)}")
 
     ray.init(num_cpus=args.workers, include_dashboard=False, log_to_driver=False)
     rounds: list[dict[str, dict[str, Any]]] = []
     with tempfile.TemporaryDirectory() as storage:
         for r in range(args.rounds):
-            rounds.append({name: run_variant(name, args, storage) for name in VARIANTS})
+            rounds.append({name: run_variant(name, args, storage) for name in names})
             row = rounds[-1]
             print(
                 f"round {r + 1}: "
@@ -124,18 +140,21 @@ def main() -> None:
     summary = {
         **_common.machine_info(),
         "args": vars(args),
-        "median_step_ms": {k: med(k) * 1e3 for k in VARIANTS},
+        "median_step_ms": {k: med(k) * 1e3 for k in names},
         "ratio_ps_to_ddp": ratio("ps_sync", "ddp"),
         "ratio_ddp_to_compute": ratio("ddp", "compute"),
         "ratio_ps_to_compute": ratio("ps_sync", "compute"),
         "ps_bytes_per_worker_step": bytes_per_step,
         "min_bytes_per_worker_step": minimum,
         "bytes_over_minimum": bytes_per_step / minimum,
+        "calls_per_step_per_shard": ps["calls_per_step_per_shard"],
         # 16-bit compression: against half the fp32 minimum.
         "bf16_bytes_over_half_minimum": (
             rounds[-1]["ps_sync_bf16"]["bytes_moved"]
             / max(1, rounds[-1]["ps_sync_bf16"]["steps_synced"])
             / (minimum / 2)
+            if "ps_sync_bf16" in names
+            else None
         ),
         "rounds": rounds,
     }
@@ -145,12 +164,16 @@ def main() -> None:
 
     print("\n| variant | median step (ms) | ratio to DDP (median of rounds) |")
     print("|---|---|---|")
-    for k in VARIANTS:
+    for k in names:
         r = ratio(k, "ddp")
         print(f"| {k} | {med(k) * 1e3:.1f} | {r:.2f}x |")
     print(
         f"\nbytes per worker per step (PS): {bytes_per_step / 1e6:.2f} MB; minimum "
         f"(push + pull of one model): {minimum / 1e6:.2f} MB; ratio {bytes_per_step / minimum:.3f}"
+    )
+    print(
+        "remote calls per worker per step per shard (ps_sync): "
+        f"{ps['calls_per_step_per_shard']:.2f}"
     )
     print(f"wrote {out}")
 

@@ -131,6 +131,7 @@ class PSBackend(_TorchBackend):
             staleness=cfg.staleness if cfg.mode == "ssp" else None,
             nan_policy=cfg.nan_policy,
             compression=cfg.compression,
+            shared_memory=cfg.shared_memory,
         )
         ray.get(worker_group.execute_async(_worker.install_run, info), timeout=cfg.ps_timeout_s)
         logger.info("Started %d parameter-server shard(s) for %d workers.", num_servers, num_workers)

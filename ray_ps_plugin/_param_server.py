@@ -27,6 +27,7 @@ import torch
 
 from ray_ps_plugin._codec import Codec
 from ray_ps_plugin._server import ShardBase, ShardProtocolError, ShardTimeoutError
+from ray_ps_plugin._shm import Segment, SegmentHandle
 
 __all__ = ["ParamShardServer", "Read", "Reply"]
 
@@ -37,8 +38,10 @@ _READ_LOG_LIMIT = 100_000
 Read = tuple[int, int, int]
 """(rank, clock of the reader, slowest worker's clock included in what it read)."""
 
-Reply = tuple[np.ndarray, tuple[int, ...], int]
-"""(parameter slice, every worker's clock, slowest unfinished worker's clock)."""
+Reply = tuple[np.ndarray | None, tuple[int, ...], int]
+"""(parameter slice, every worker's clock, slowest unfinished worker's clock).
+
+The slice is ``None`` when it was written to the worker's shared memory instead."""
 
 
 class ParamShardServer(ShardBase):
@@ -74,6 +77,38 @@ class ParamShardServer(ShardBase):
         self._initialised = asyncio.Event()
         self._changed = asyncio.Condition()
         self._reads: collections.deque[Read] = collections.deque(maxlen=_READ_LOG_LIMIT)
+        # Workers of this node attached through shared memory (see attach).
+        self._lanes: dict[int, tuple[Segment, tuple[Segment, ...]]] = {}
+
+    def attach(self, rank: int, inputs: SegmentHandle, outputs: tuple[SegmentHandle, ...]) -> None:
+        """Connects a worker of this node through shared memory.
+
+        From then on the worker writes its deltas into ``inputs`` and calls
+        :meth:`push_local` / :meth:`pull_local` naming the output segment
+        (``slot``) the shard writes its parameters into. The worker chooses the
+        slot so that a reply it has not read yet is never overwritten.
+        """
+        self._lanes[rank] = (Segment.open(inputs), tuple(Segment.open(h) for h in outputs))
+
+    async def push_local(self, rank: int, clock: int, slot: int) -> Reply:
+        """:meth:`push_pull` for a worker attached through shared memory."""
+        params = await self._wait_initialised(rank)
+        inputs, _ = self._lanes[rank]
+        if inputs.handle.nbytes != params.numel() * params.element_size():
+            raise ShardProtocolError(
+                f"shard {self.shard_index}: rank {rank} attached a {inputs.handle.nbytes}"
+                f"-byte slice for {params.numel() * params.element_size()} bytes of "
+                "parameters; the workers' models differ."
+            )
+        delta = inputs.view(0, params.numpy().dtype, params.numel())
+        with self._queued():
+            return await self._push_pull(rank, clock, delta, wire=False, slot=slot)
+
+    async def pull_local(self, rank: int, clock: int, slot: int) -> Reply:
+        """:meth:`pull` for a worker attached through shared memory."""
+        with self._queued():
+            await self._wait_initialised(rank)
+            return await self._read(rank, clock, slot)
 
     async def init(self, params: np.ndarray, clock: int = 0) -> bool:
         """Adopts initial parameters (from rank 0, after DDP's broadcast).
@@ -116,12 +151,15 @@ class ParamShardServer(ShardBase):
                 size differs from the shard's (the workers' models differ).
         """
         with self._queued():
-            return await self._push_pull(rank, clock, delta)
+            return await self._push_pull(rank, clock, delta, wire=True)
 
-    async def _push_pull(self, rank: int, clock: int, delta: np.ndarray) -> Reply:
+    async def _push_pull(
+        self, rank: int, clock: int, delta: np.ndarray, wire: bool, slot: int | None = None
+    ) -> Reply:
         params = await self._wait_initialised(rank)
         wire_bytes = delta.nbytes
-        delta = self._codec.decode_np(delta)  # fp32 master parameters
+        if wire:
+            delta = self._codec.decode_np(delta)  # fp32 master parameters
         last = self._clocks[rank]
         if clock <= last:
             self._duplicates += 1  # a retried or duplicated delivery
@@ -150,7 +188,7 @@ class ParamShardServer(ShardBase):
                 f"shard {self.shard_index}: rank {rank} pushed the update of clock "
                 f"{clock} after clock {last}; updates {last + 1}..{clock - 1} are missing."
             )
-        return await self._read(rank, clock)
+        return await self._read(rank, clock, slot)
 
     async def pull(self, rank: int, clock: int) -> Reply:
         """Returns the parameters without pushing (same staleness rule as a push).
@@ -185,7 +223,7 @@ class ParamShardServer(ShardBase):
         active = [c for r, c in enumerate(self._clocks) if r not in self._finished]
         return min(active) if active else max(self._clocks)
 
-    async def _read(self, rank: int, clock: int) -> Reply:
+    async def _read(self, rank: int, clock: int, slot: int | None = None) -> Reply:
         if self.staleness is not None:
             need = clock - self.staleness
             if self._slowest() < need:
@@ -211,6 +249,12 @@ class ParamShardServer(ShardBase):
         assert self._params is not None
         slowest = self._slowest()
         self._reads.append((rank, clock, slowest))
+        if slot is not None:
+            _, outputs = self._lanes[rank]
+            values = self._params.numpy()
+            np.copyto(outputs[slot].view(0, values.dtype, values.size), values)
+            self._bytes_out += values.nbytes
+            return None, tuple(self._clocks), slowest
         # A fresh array: later updates must not change a reply Ray has not sent yet.
         out = self._codec.encode_np(self._params.numpy())
         self._bytes_out += out.nbytes

@@ -25,6 +25,7 @@ import numpy as np
 
 from ray_ps_plugin._codec import Codec
 from ray_ps_plugin._metrics import ShardMetrics
+from ray_ps_plugin._shm import Segment, SegmentHandle
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,8 @@ class _Slot:
     acc: np.ndarray
     ranks: set[int] = field(default_factory=set)
     wire: np.ndarray | None = None  # the sum in the wire format, once complete
+    shared: bool = False  # whether ``acc`` lies in the shard's output segment
+    wired: bool = False  # whether some worker pushed (and so pulls) through the wire
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -128,6 +131,55 @@ class ShardServer(ShardBase):
         # every worker pushed s+1, i.e. after every worker has received step s's sum,
         # so the slot of step s is free again by then and never reallocated.
         self._slots: dict[tuple[int, int], _Slot] = {}
+        # Shared memory with colocated workers (see attach): one input segment per
+        # worker, and the sums in two output segments, by step parity as the slots.
+        self._inputs: dict[int, Segment] = {}
+        self._outputs: list[Segment] = []
+        self._lo = 0  # stream byte at which this shard's segments start
+
+    def attach(
+        self, rank: int, inputs: SegmentHandle, lo: int, nbytes: int
+    ) -> tuple[SegmentHandle, ...]:
+        """Connects a worker of this node through shared memory.
+
+        From then on the worker writes its chunks into its ``inputs`` segment and
+        calls :meth:`push_local` with only the chunk's coordinates; it reads the sum
+        from the returned output segments (byte ``key - lo`` of segment
+        ``step % 2``).
+
+        Args:
+            rank: The worker's world rank.
+            inputs: The worker's segment for this shard's range of the stream.
+            lo: Stream byte at which the segments start.
+            nbytes: Size of this shard's segments.
+
+        Returns:
+            Handles of the two output segments (even steps, odd steps).
+
+        Raises:
+            ShardProtocolError: If workers describe the shard's range differently.
+        """
+        if not self._outputs:
+            self._lo = lo
+            self._outputs = [Segment.create(nbytes), Segment.create(nbytes)]
+        elif (lo, nbytes) != (self._lo, self._outputs[0].handle.nbytes):
+            raise ShardProtocolError(
+                f"shard {self.shard_index}: rank {rank} describes the shard's range as "
+                f"{nbytes} bytes at {lo}, others as {self._outputs[0].handle.nbytes} at "
+                f"{self._lo}; the workers' models differ."
+            )
+        self._inputs[rank] = Segment.open(inputs)
+        return tuple(s.handle for s in self._outputs)
+
+    async def push_local(self, step: int, key: int, rank: int, dtype: str, numel: int) -> None:
+        """Like :meth:`push_pull` for a worker attached through shared memory.
+
+        The chunk is read from the worker's input segment; the sum is left in the
+        output segment of ``step % 2``; the reply carries no data.
+        """
+        grad = self._inputs[rank].view(key - self._lo, dtype, numel)
+        with self._queued():
+            await self._push_pull(step, key, rank, grad, wire=False)
 
     async def push_pull(self, step: int, key: int, rank: int, grad: np.ndarray) -> np.ndarray:
         """Adds one worker's chunk and returns the sum once all workers pushed it.
@@ -149,12 +201,18 @@ class ShardServer(ShardBase):
             ShardProtocolError: If the step does not follow the chunk's current step.
         """
         with self._queued():
-            return await self._push_pull(step, key, rank, grad)
+            out = await self._push_pull(step, key, rank, grad, wire=True)
+        assert out is not None  # a push by wire is answered by wire
+        return out
 
-    async def _push_pull(self, step: int, key: int, rank: int, grad: np.ndarray) -> np.ndarray:
+    async def _push_pull(
+        self, step: int, key: int, rank: int, grad: np.ndarray, wire: bool
+    ) -> np.ndarray | None:
         wire_bytes = grad.nbytes
-        grad = self._codec.decode_np(grad)  # fp32 accumulation whatever the wire
+        if wire:
+            grad = self._codec.decode_np(grad)  # fp32 accumulation whatever the wire
         slot = self._slot_for(step, key, grad)
+        slot.wired = slot.wired or wire
         if rank in slot.ranks:
             self._duplicates += 1
         else:
@@ -166,7 +224,7 @@ class ShardServer(ShardBase):
             self._pushes += 1
             self._bytes_in += wire_bytes
             if len(slot.ranks) == self.num_workers:
-                slot.done.set()
+                self._complete(slot, key)
         if not slot.done.is_set():
             try:
                 await asyncio.wait_for(slot.done.wait(), self.timeout_s)
@@ -177,13 +235,30 @@ class ShardServer(ShardBase):
                     f"{self.timeout_s:g}s for workers {missing}; a worker is stuck, dead "
                     "or its model differs. Raise PSConfig.ps_timeout_s if steps are slow."
                 ) from None
-        if not self._codec.active:
+        if not wire or not self._codec.active:
             self._bytes_out += slot.acc.nbytes
-            return slot.acc
-        if slot.wire is None:
-            slot.wire = self._codec.encode_np(slot.acc)  # once per chunk and step
+            return slot.acc if wire else None  # shared memory: the worker reads it there
+        assert slot.wire is not None  # set by _complete: this push came by wire
         self._bytes_out += slot.wire.nbytes
         return slot.wire
+
+    def _complete(self, slot: _Slot, key: int) -> None:
+        """Makes the finished sum readable by every worker, then releases them."""
+        if self._outputs and not slot.shared:
+            # The slot began before a worker attached (only possible in step 1).
+            out = self._output_view(slot.step, key, slot.acc)
+            np.copyto(out, slot.acc)
+            slot.acc, slot.shared = out, True
+        if self._codec.active and slot.wired:
+            # Some workers receive the sum on the wire: round it once, in place, so a
+            # worker reading shared memory gets exactly the values they decode. (When
+            # every worker shares memory, nothing is encoded and nothing rounded.)
+            slot.wire = self._codec.encode_np(slot.acc)
+            np.copyto(slot.acc, self._codec.decode_np(slot.wire))
+        slot.done.set()
+
+    def _output_view(self, step: int, key: int, like: np.ndarray) -> np.ndarray:
+        return self._outputs[step % 2].view(key - self._lo, like.dtype, like.size)
 
     def _slot_for(self, step: int, key: int, grad: np.ndarray) -> _Slot:
         slot = self._slots.get((key, step % 2))
@@ -206,10 +281,13 @@ class ShardServer(ShardBase):
                 f"while step {slot.step} still waits for workers "
                 f"{sorted(set(range(self.num_workers)) - slot.ranks)}."
             )
-        if slot is not None and slot.acc.shape == grad.shape and slot.acc.dtype == grad.dtype:
+        shared = bool(self._outputs)
+        if shared:
+            acc = self._output_view(step, key, grad)
+        elif slot is not None and slot.acc.shape == grad.shape and slot.acc.dtype == grad.dtype:
             acc = slot.acc  # reuse the buffer: no allocation in the steady state
         else:
             acc = np.empty_like(grad)
-        slot = _Slot(step=step, acc=acc)
+        slot = _Slot(step=step, acc=acc, shared=shared)
         self._slots[(key, step % 2)] = slot
         return slot

@@ -44,7 +44,9 @@ from ray_ps_plugin._errors import PSError, PSTimeoutError, WaitTimeout, failed_i
 from ray_ps_plugin._layout import Piece, StreamLayout
 from ray_ps_plugin._metrics import WorkerMetrics
 from ray_ps_plugin._nonfinite import NonFiniteGuard, all_finite
-from ray_ps_plugin._stale import RayStaleTransport, StaleClient
+from ray_ps_plugin import _shm as shm
+from ray_ps_plugin._shm import Segment, SegmentHandle
+from ray_ps_plugin._stale import RayStaleTransport, StaleClient, open_stale_lanes, split_bounds
 from ray_ps_plugin._stats import PSStats
 
 if TYPE_CHECKING:
@@ -74,6 +76,8 @@ class RunInfo:
         staleness: The ssp bound; ``None`` in the other modes.
         nan_policy: What a step with NaN/Inf gradients does.
         compression: Wire format: ``None`` (fp32), ``"bf16"`` or ``"fp16"``.
+        shared_memory: Whether workers reach the shards of their node through
+            shared memory instead of the object store.
     """
 
     servers: Sequence[Any]
@@ -84,6 +88,7 @@ class RunInfo:
     staleness: int | None = None
     nan_policy: str = "raise"
     compression: str | None = None
+    shared_memory: bool = True
 
 
 @dataclass(frozen=True)
@@ -136,6 +141,18 @@ class Transport(Protocol):
         """Starts a push of ``chunk`` and returns a handle to its result."""
         ...
 
+    def submit_local(
+        self, shard: int, step: int, key: int, rank: int, dtype: str, numel: int
+    ) -> Any:
+        """Starts a push of a chunk already written to shared memory."""
+        ...
+
+    def attach(
+        self, shard: int, rank: int, inputs: SegmentHandle, lo: int, nbytes: int
+    ) -> tuple[SegmentHandle, ...]:
+        """Connects through shared memory (blocking); returns the output segments."""
+        ...
+
     def wait(self, handles: list[Any], timeout_s: float) -> list[np.ndarray]:
         """Waits for all results; raises ``WaitTimeout`` after ``timeout_s``."""
         ...
@@ -144,11 +161,25 @@ class Transport(Protocol):
 class RayTransport:
     """Pushes chunks to shard actors through Ray's object store."""
 
-    def __init__(self, servers: Sequence[Any]) -> None:
+    def __init__(self, servers: Sequence[Any], timeout_s: float) -> None:
         self._servers = list(servers)
+        self._timeout_s = timeout_s
+
+    def attach(
+        self, shard: int, rank: int, inputs: SegmentHandle, lo: int, nbytes: int
+    ) -> tuple[SegmentHandle, ...]:
+        import ray
+
+        call = self._servers[shard].attach.remote(rank, inputs, lo, nbytes)
+        return ray.get(call, timeout=self._timeout_s)
 
     def submit(self, shard: int, step: int, key: int, rank: int, chunk: np.ndarray) -> Any:
         return self._servers[shard].push_pull.remote(step, key, rank, chunk)
+
+    def submit_local(
+        self, shard: int, step: int, key: int, rank: int, dtype: str, numel: int
+    ) -> Any:
+        return self._servers[shard].push_local.remote(step, key, rank, dtype, numel)
 
     def wait(self, handles: list[Any], timeout_s: float) -> list[np.ndarray]:
         import ray
@@ -159,11 +190,67 @@ class RayTransport:
             raise WaitTimeout(str(e)) from e
 
 
+def _np_dtype(t: torch.Tensor) -> str:
+    """The NumPy name of a bucket's dtype (buckets are float16/32/64)."""
+    return str(t.dtype).removeprefix("torch.")
+
+
+@dataclass
+class Lane:
+    """Shared memory between this worker and one shard of its node (sync mode).
+
+    Attributes:
+        lo: Stream byte at which the segments start (the shard's first byte).
+        inputs: This worker's chunks for the shard, at byte ``key - lo``.
+        outputs: The shard's sums, by step parity, at byte ``key - lo``.
+    """
+
+    lo: int
+    inputs: Segment
+    outputs: tuple[Segment, ...]
+
+    def close(self) -> None:
+        for seg in (self.inputs, *self.outputs):
+            seg.close()
+
+
+def open_lanes(
+    transport: "Transport", shards: Sequence[int], layout: StreamLayout, rank: int
+) -> dict[int, Lane]:
+    """Attaches this worker to ``shards`` (all on its node) through shared memory.
+
+    A shard that cannot be attached (no memfd on this host, /proc not readable) is
+    left out with a warning: its chunks then travel through the object store, which
+    is slower but equivalent.
+    """
+    if not shards or not shm.available():
+        return {}
+    lanes: dict[int, Lane] = {}
+    for s in shards:
+        # The segment covers the shard's byte range plus slack: a chunk's last
+        # element may end a few bytes past the range when the range is not aligned.
+        lo, nbytes = layout.bounds[s], layout.bounds[s + 1] - layout.bounds[s] + 16
+        inputs = None
+        try:
+            inputs = Segment.create(nbytes)
+            handles = transport.attach(s, rank, inputs.handle, lo, nbytes)
+            lanes[s] = Lane(lo, inputs, tuple(Segment.open(h) for h in handles))
+        except Exception as e:  # noqa: BLE001 - the object store still works
+            if inputs is not None:
+                inputs.close()
+            logging.getLogger(__name__).warning(
+                "rank %d: no shared memory with shard %d (%s); using the object store.",
+                rank,
+                s,
+                e,
+            )
+    return lanes
+
+
 @dataclass
 class _Pending:
     step: int
     bucket: torch.Tensor
-    host: np.ndarray
     pieces: tuple[Piece, ...]
     handles: list[Any]
     future: torch.futures.Future
@@ -183,6 +270,8 @@ class PSClient:
         remote_shards: Shards on other nodes, whose traffic is counted as crossing.
         codec: Wire format of gradient chunks and sums (default fp32).
         metrics: Exports the counters through ``ray.util.metrics`` (optional).
+        lanes: Shards of this node reached through shared memory, by shard index
+            (see :func:`open_lanes`); the others are reached through the object store.
     """
 
     def __init__(
@@ -196,8 +285,10 @@ class PSClient:
         remote_shards: frozenset[int] = frozenset(),
         codec: Codec | None = None,
         metrics: "WorkerMetrics | None" = None,
+        lanes: dict[int, Lane] | None = None,
     ) -> None:
         self.guard = guard
+        self._lanes = dict(lanes or {})
         self._metrics = metrics
         self._codec = codec or Codec(None)
         self._remote = remote_shards
@@ -228,28 +319,53 @@ class PSClient:
             with self._lock:
                 self._stats.steps += 1
         step = self._stats.steps
-        buf.div_(self._world_size)
-        # An uncompressed CPU bucket is shared with numpy as is; a GPU bucket is
-        # staged on the host; compression encodes a 16-bit host copy.
-        host = self._codec.encode(buf)
         pieces = self._layout.cut(self._stream_offset, buf.numel(), buf.element_size())
         self._stream_offset += buf.numel() * buf.element_size()
-        # Ray serialises each argument inside .remote(), so the bucket may be reused
-        # as soon as this returns; the pushes themselves proceed in the background.
-        handles = [
-            self._transport.submit(p.shard, step, p.key, self._rank, host[p.start : p.stop])
-            for p in pieces
-        ]
+        remote = [p for p in pieces if p.shard not in self._lanes]
+        # Workers divide by the world size before pushing, as DDP's all-reduce hook
+        # does. A CPU chunk bound for shared memory is divided straight into it (one
+        # pass instead of two); a GPU bucket is divided on the device and staged.
+        staged = None
+        if buf.is_cuda:
+            buf.div_(self._world_size)
+            staged = buf.cpu() if len(remote) < len(pieces) else None
+        else:
+            for p in remote:
+                buf[p.start : p.stop].div_(self._world_size)
+        # Compression encodes a 16-bit host copy for the object store only: shared
+        # memory carries full precision, since no network is involved.
+        host = self._codec.encode(buf) if remote else None
+        handles = []
+        for p in pieces:
+            lane = self._lanes.get(p.shard)
+            if lane is None:
+                assert host is not None
+                # Ray serialises each argument inside .remote(), so the bucket may be
+                # reused as soon as this returns; the push goes on in the background.
+                handles.append(
+                    self._transport.submit(p.shard, step, p.key, self._rank, host[p.start : p.stop])
+                )
+                continue
+            dtype = _np_dtype(buf)
+            dst = torch.from_numpy(lane.inputs.view(p.key - lane.lo, dtype, p.numel))
+            if staged is None:
+                torch.div(buf[p.start : p.stop], self._world_size, out=dst)
+            else:
+                dst.copy_(staged[p.start : p.stop])
+            handles.append(
+                self._transport.submit_local(p.shard, step, p.key, self._rank, dtype, p.numel)
+            )
         with self._lock:
             for p in pieces:
-                nbytes = p.numel * host.itemsize
+                itemsize = host.itemsize if p.shard not in self._lanes else buf.element_size()
+                nbytes = p.numel * itemsize
                 self._stats.bytes_pushed += nbytes
                 self._stats.bytes_pushed_per_shard[p.shard] += nbytes
                 if p.shard in self._remote:
                     self._stats.bytes_cross_node += nbytes
             self._stats.pushes += len(pieces)
         fut: torch.futures.Future = torch.futures.Future()
-        self._queue.put(_Pending(step, buf, host, pieces, handles, fut, time.perf_counter()))
+        self._queue.put(_Pending(step, buf, pieces, handles, fut, time.perf_counter()))
         return fut
 
     def _complete_loop(self) -> None:
@@ -290,17 +406,17 @@ class PSClient:
     def _complete(self, item: _Pending) -> None:
         results = self._transport.wait(item.handles, self._timeout_s)
         nbytes = cross = 0
-        direct = not self._codec.active
+        bucket = item.bucket
         for p, r in zip(item.pieces, results):
-            if direct:
-                item.host[p.start : p.stop] = r
+            lane = self._lanes.get(p.shard)
+            if lane is not None:
+                r = lane.outputs[item.step % 2].view(p.key - lane.lo, _np_dtype(bucket), p.numel)
+                bucket[p.start : p.stop].copy_(torch.from_numpy(r))
             else:
-                item.bucket[p.start : p.stop].copy_(self._codec.decode(r))
+                bucket[p.start : p.stop].copy_(self._codec.decode(r))
             nbytes += r.nbytes
             if p.shard in self._remote:
                 cross += r.nbytes
-        if direct and item.bucket.is_cuda:
-            item.bucket.copy_(torch.from_numpy(item.host), non_blocking=False)
         if (
             self.guard is not None
             and self.guard.policy != "ignore"
@@ -335,6 +451,9 @@ class PSClient:
         """Stops the communication thread (waits at most ``timeout_s``)."""
         self._queue.put(None)
         self._thread.join(self._timeout_s)
+        lanes, self._lanes = self._lanes, {}
+        for lane in lanes.values():
+            lane.close()
 
 
 # Each push occupies one of the shard actor's concurrent calls until every worker has
@@ -491,12 +610,16 @@ class PSDistributedDataParallel(DistributedDataParallel):
         remote = frozenset(i for i, n in enumerate(info.server_node_ids) if n != node)
         self._ps_stale: StaleClient | None = None
         params = [p for p in module.parameters() if p.requires_grad]
+        # Shards of this node are reached through shared memory unless turned off.
+        local = [i for i, n in enumerate(info.server_node_ids) if n == node]
+        local = local if info.shared_memory else []
         _ensure_optimizer_hooks()
         if info.mode == "sync":
             layout = StreamLayout(trainable_bytes(module), len(info.servers), info.chunk_bytes)
             check_concurrency(layout, world)
+            transport = RayTransport(info.servers, info.timeout_s)
             client = PSClient(
-                transport=RayTransport(info.servers),
+                transport=transport,
                 layout=layout,
                 world_rank=rank,
                 world_size=world,
@@ -505,12 +628,18 @@ class PSDistributedDataParallel(DistributedDataParallel):
                 remote_shards=remote,
                 codec=Codec(info.compression),
                 metrics=_worker_metrics(info.mode, rank),
+                lanes=open_lanes(transport, local, layout, rank),
             )
             _CLIENTS.append(client)
             self.register_comm_hook(None, client.hook)
             return
+        numel = sum(p.numel() for p in params)
+        itemsize = params[0].element_size() if params else 4
+        bounds = split_bounds(numel, len(info.servers))
+        slice_bytes = [(b - a) * itemsize for a, b in zip(bounds, bounds[1:])]
+        stale_transport = RayStaleTransport(info.servers, info.timeout_s)
         stale = StaleClient(
-            transport=RayStaleTransport(info.servers),
+            transport=stale_transport,
             params=params,
             num_shards=len(info.servers),
             world_rank=rank,
@@ -521,6 +650,7 @@ class PSDistributedDataParallel(DistributedDataParallel):
             remote_shards=remote,
             codec=Codec(info.compression),
             metrics=_worker_metrics(info.mode, rank),
+            lanes=open_stale_lanes(stale_transport, local, slice_bytes, rank),
         )
         _CLIENTS.append(stale)
         stale.start()
@@ -555,6 +685,8 @@ def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
     for client in _CLIENTS:
         if client.guard is not None and client.guard.owns(optimizer):
             client.guard.before_step(client.next_step)
+            if isinstance(client, StaleClient):
+                client.before_step()
 
 
 def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

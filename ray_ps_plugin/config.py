@@ -53,7 +53,13 @@ class PSConfig(TorchConfig):
             step is dropped, with a warning) or ``"ignore"`` (no check, like DDP).
         compression: ``None`` (fp32 on the wire), ``"bf16"`` or ``"fp16"``: what
             workers and shards send each other as 16-bit values, halving the bytes.
-            Shards keep fp32 sums and fp32 master parameters.
+            Shards keep fp32 sums and fp32 master parameters. Compression applies to
+            traffic through Ray's object store; shared memory carries full precision.
+        shared_memory: Whether a worker exchanges data with the shards of its own
+            node through shared memory (only a small control message per chunk goes
+            through Ray), as BytePS does within a machine. Shards on other nodes are
+            always reached through Ray's object store. Turn it off to force every
+            byte through the object store (e.g. to compare the two).
         server_placement: ``"worker"`` (one shard per worker, in its bundle; or
             ``num_servers`` shards round-robin over the workers) or ``"node"`` (one
             shard per node, in the bundle of that node's lowest-rank worker).
@@ -78,6 +84,7 @@ class PSConfig(TorchConfig):
     nan_policy: str = "raise"
     compression: str | None = None
     server_placement: str = "worker"
+    shared_memory: bool = True
 
     def __post_init__(self) -> None:
         _check_choice("strategy", self.strategy, STRATEGIES)
@@ -97,6 +104,11 @@ class PSConfig(TorchConfig):
         if self.compression is not None:
             _check_choice("compression", self.compression, COMPRESSIONS)
         _check_choice("server_placement", self.server_placement, SERVER_PLACEMENTS)
+        if not isinstance(self.shared_memory, bool):
+            raise TypeError(
+                f"PSConfig.shared_memory must be True or False, got "
+                f"{type(self.shared_memory).__name__} {self.shared_memory!r}."
+            )
         if self.server_placement == "node" and self.num_servers is not None:
             raise ValueError(
                 f"PSConfig.server_placement='node' starts one shard per node and cannot "
@@ -132,6 +144,7 @@ class PSConfig(TorchConfig):
             "nan_policy": self.nan_policy,
             "compression": self.compression,
             "server_placement": self.server_placement,
+            "shared_memory": self.shared_memory,
         }
 
 

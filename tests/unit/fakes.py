@@ -46,10 +46,18 @@ class FakeTransport:
         self.submitted.append((shard, step, key, rank, chunk.size))
         return self.loop.run(self.servers[shard].push_pull(step, key, rank, chunk.copy()))
 
+    def submit_local(self, shard, step, key, rank, dtype, numel):
+        self.submitted.append((shard, step, key, rank, numel))
+        return self.loop.run(self.servers[shard].push_local(step, key, rank, dtype, numel))
+
+    def attach(self, shard, rank, inputs, lo, nbytes):
+        return self.servers[shard].attach(rank, inputs, lo, nbytes)
+
     def wait(self, handles, timeout_s):
         try:
             # Copy the replies: a real Ray reply is a fresh object-store value.
-            return [np.array(h.result(timeout=timeout_s)) for h in handles]
+            replies = [h.result(timeout=timeout_s) for h in handles]
+            return [None if r is None else np.array(r) for r in replies]
         except FutureTimeout as e:
             raise WaitTimeout("fake wait timed out") from e
 
@@ -93,7 +101,7 @@ class FakeStaleTransport:
     async def _gated(self, coro):
         await self._gate.wait()
         arr, clocks, slowest = await coro
-        return arr.copy(), clocks, slowest
+        return (None if arr is None else arr.copy()), clocks, slowest
 
     def init(self, shard, params):
         self.calls.append(("init", shard, params.size))
@@ -110,6 +118,17 @@ class FakeStaleTransport:
     def finish(self, shard, rank):
         self.calls.append(("finish", shard, rank))
         return self.loop.run(self.servers[shard].finish(rank))
+
+    def attach(self, shard, rank, inputs, outputs):
+        self.servers[shard].attach(rank, inputs, outputs)
+
+    def push_local(self, shard, rank, clock, slot):
+        self.calls.append(("push_local", shard, rank, clock, slot))
+        return self.loop.run(self._gated(self.servers[shard].push_local(rank, clock, slot)))
+
+    def pull_local(self, shard, rank, clock, slot):
+        self.calls.append(("pull_local", shard, rank, clock, slot))
+        return self.loop.run(self._gated(self.servers[shard].pull_local(rank, clock, slot)))
 
     def done(self, handles) -> bool:
         return all(h.done() for h in handles)

@@ -1,13 +1,15 @@
 """PSClient's DDP hook against fake shards: chunks, sums, stats, timeouts."""
 
 import threading
+import time
 
 import pytest
 import torch
 
+from ray_ps_plugin._codec import Codec
 from ray_ps_plugin._layout import StreamLayout
 from ray_ps_plugin._server import ShardServer
-from ray_ps_plugin._worker import PSClient, PSTimeoutError
+from ray_ps_plugin._worker import PSClient, PSTimeoutError, open_lanes
 
 from tests.unit.fakes import FakeBucket, FakeTransport, LoopThread
 
@@ -19,21 +21,45 @@ def loop():
     lt.stop()
 
 
-def _clients(loop, world_size, num_servers, total_bytes, chunk_bytes, timeout_s=5.0):
+def _clients(
+    loop, world_size, num_servers, total_bytes, chunk_bytes, timeout_s=5.0, local=lambda r, s: False
+):
+    """Clients of fake shards; ``local(rank, shard)`` says which pairs share memory."""
     servers = [ShardServer(i, world_size, timeout_s) for i in range(num_servers)]
     transport = FakeTransport(loop, servers)
     layout = StreamLayout(total_bytes, num_servers, chunk_bytes)
     clients = [
-        PSClient(transport, layout, r, world_size, timeout_s)
+        PSClient(
+            transport,
+            layout,
+            r,
+            world_size,
+            timeout_s,
+            lanes=open_lanes(
+                transport, [s for s in range(num_servers) if local(r, s)], layout, r
+            ),
+        )
         for r in range(world_size)
     ]
     return clients, transport
 
 
-def test_buckets_come_back_as_the_mean_over_workers(loop):
+@pytest.mark.parametrize(
+    "local",
+    [
+        pytest.param(lambda r, s: False, id="object-store"),
+        pytest.param(lambda r, s: True, id="shared-memory"),
+        # Rank r shares memory with shard r only, as with one shard per worker on
+        # nodes of one worker each; the others reach it through the object store.
+        pytest.param(lambda r, s: r == s, id="mixed"),
+    ],
+)
+def test_buckets_come_back_as_the_mean_over_workers(loop, local):
     world, numels = 3, [1000, 4000, 333]
     total = sum(numels) * 4
-    clients, transport = _clients(loop, world, num_servers=2, total_bytes=total, chunk_bytes=2048)
+    clients, transport = _clients(
+        loop, world, num_servers=2, total_bytes=total, chunk_bytes=2048, local=local
+    )
     grads = {
         r: [torch.randn(n, generator=torch.Generator().manual_seed(r * 10 + i)) for i, n in enumerate(numels)]
         for r in range(world)
@@ -59,6 +85,58 @@ def test_buckets_come_back_as_the_mean_over_workers(loop):
     assert stats.steps == 1 and stats.bytes_pushed == total and stats.bytes_pulled == total
     assert abs(stats.bytes_pushed_per_shard[0] - stats.bytes_pushed_per_shard[1]) <= 2048
     assert all(size * 4 <= 2048 for *_, size in transport.submitted)
+    for c in clients:
+        c.close()
+
+
+@pytest.mark.parametrize("compression", [None, "bf16"])
+@pytest.mark.parametrize("remote_rank1", [True, False], ids=["mixed", "all-local"])
+def test_shared_memory_sums_stay_right_while_workers_race_ahead(loop, compression, remote_rank1):
+    """Many steps without a barrier: a fast worker's next step must never clobber a
+    sum a slow worker is still reading (the shard's two output buffers by parity),
+    and local and object-store workers must receive bit-identical sums."""
+    world, steps, numels = 2, 6, [700, 2500]
+    total = sum(numels) * 4
+    servers = [ShardServer(i, world, 5.0, compression) for i in range(2)]
+    transport = FakeTransport(loop, servers)
+    layout = StreamLayout(total, 2, 1024)
+    codec = Codec(compression)
+    clients = [  # rank 0 shares memory with both shards, rank 1 with none or both
+        PSClient(
+            transport,
+            layout,
+            r,
+            world,
+            5.0,
+            codec=codec,
+            lanes=open_lanes(transport, [] if r == 1 and remote_rank1 else [0, 1], layout, r),
+        )
+        for r in range(world)
+    ]
+    gen = torch.Generator().manual_seed(0)
+    grads = [[[torch.randn(n, generator=gen) for n in numels] for _ in range(world)] for _ in range(steps)]
+    results: dict[int, list[list[torch.Tensor]]] = {r: [] for r in range(world)}
+
+    def worker(rank):
+        for step in range(steps):
+            if rank == 1:
+                time.sleep(0.002 * (step % 3))  # uneven pace
+            bufs = [g.clone() for g in grads[step][rank]]
+            futs = [clients[rank].hook(None, FakeBucket(i, b)) for i, b in enumerate(bufs)]
+            results[rank].append([f.wait().clone() for f in futs])
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for step in range(steps):
+        for i in range(len(numels)):
+            assert torch.equal(results[0][step][i], results[1][step][i])
+            expected = sum(grads[step][r][i] for r in range(world)) / world
+            # 16-bit rounding happens only when a worker gets the sum by wire.
+            tol = 1e-2 if compression and remote_rank1 else 1e-6
+            torch.testing.assert_close(results[0][step][i], expected, atol=tol, rtol=tol)
     for c in clients:
         c.close()
 

@@ -7,6 +7,7 @@ import pytest
 
 from ray_ps_plugin._param_server import ParamShardServer
 from ray_ps_plugin._server import ShardProtocolError, ShardTimeoutError
+from ray_ps_plugin._shm import Segment
 
 
 def _run(coro):
@@ -142,3 +143,36 @@ def test_a_reply_is_a_snapshot_later_updates_do_not_change():
         return first
 
     np.testing.assert_array_equal(_run(main()), _arr(1))
+
+
+def test_shared_memory_push_answers_in_the_slot_the_worker_names():
+    async def main():
+        s = ParamShardServer(0, num_workers=1, staleness=None, timeout_s=5)
+        await s.init(_arr(1, 1, 1))
+        inputs, out0, out1 = (Segment.create(12) for _ in range(3))
+        s.attach(0, inputs.handle, (out0.handle, out1.handle))
+        inputs.view(0, np.float32, 3)[:] = _arr(1, 2, 3)
+        reply = await s.push_local(0, 1, slot=1)
+        first = out1.view(0, np.float32, 3).copy()
+        inputs.view(0, np.float32, 3)[:] = _arr(1, 1, 1)
+        await s.push_local(0, 2, slot=0)  # the reply of clock 1 stays untouched
+        await s.pull_local(0, 2, slot=1)
+        return reply, first, out0.view(0, np.float32, 3), out1.view(0, np.float32, 3)
+
+    (arr, clocks, slowest), first, out0, out1 = _run(main())
+    assert arr is None and clocks == (1,) and slowest == 1  # the data went to memory
+    np.testing.assert_array_equal(first, _arr(2, 3, 4))
+    np.testing.assert_array_equal(out0, _arr(3, 4, 5))
+    np.testing.assert_array_equal(out1, _arr(3, 4, 5))
+
+
+def test_a_shared_memory_slice_of_another_size_names_the_model_mismatch():
+    async def main():
+        s = ParamShardServer(0, num_workers=1, staleness=None, timeout_s=5)
+        await s.init(_arr(1, 1, 1))
+        inputs, out0, out1 = (Segment.create(8) for _ in range(3))
+        s.attach(0, inputs.handle, (out0.handle, out1.handle))
+        await s.push_local(0, 1, slot=1)
+
+    with pytest.raises(ShardProtocolError, match="models differ"):
+        _run(main())

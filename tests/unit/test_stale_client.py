@@ -8,7 +8,7 @@ import torch
 
 from ray_ps_plugin._errors import PSTimeoutError
 from ray_ps_plugin._param_server import ParamShardServer
-from ray_ps_plugin._stale import StaleClient, split_bounds
+from ray_ps_plugin._stale import StaleClient, _pieces, open_stale_lanes, split_bounds
 
 from tests.unit.fakes import FakeStaleTransport, LoopThread
 
@@ -31,14 +31,20 @@ def _models(world, seed=0):
     return models
 
 
-def _setup(loop, world, shards, staleness, timeout_s=5.0):
+def _setup(loop, world, shards, staleness, timeout_s=5.0, shared=False):
+    """Real shards on a fake transport; ``shared``: every worker uses shared memory."""
     servers = [ParamShardServer(i, world, staleness, timeout_s) for i in range(shards)]
     transport = FakeStaleTransport(loop, servers)
     models = _models(world)
-    clients = [
-        StaleClient(transport, list(m.parameters()), shards, r, world, staleness, timeout_s)
-        for r, m in enumerate(models)
-    ]
+    clients = []
+    for r, m in enumerate(models):
+        params = list(m.parameters())
+        bounds = split_bounds(sum(p.numel() for p in params), shards)
+        sizes = [(b - a) * 4 for a, b in zip(bounds, bounds[1:])]
+        lanes = open_stale_lanes(transport, range(shards), sizes, r) if shared else {}
+        clients.append(
+            StaleClient(transport, params, shards, r, world, staleness, timeout_s, lanes=lanes)
+        )
     for c in clients:
         c.start()
     return servers, transport, models, clients
@@ -53,6 +59,7 @@ def _sgd_step(model, opt, client, x, y):
     loss = torch.nn.functional.mse_loss(model(x), y)
     opt.zero_grad()
     loss.backward()
+    client.before_step()  # the optimizer pre-step hook in a real run
     opt.step()
     client.after_step()
 
@@ -62,10 +69,11 @@ def test_split_bounds_covers_everything_evenly():
     assert split_bounds(2, 4) == [0, 0, 1, 1, 2]
 
 
-def test_ssp_zero_with_momentum_sgd_is_ddp_maths(loop):
+@pytest.mark.parametrize("shared", [False, True], ids=["object-store", "shared-memory"])
+def test_ssp_zero_with_momentum_sgd_is_ddp_maths(loop, shared):
     """Bulk-synchronous (s=0) + SGD momentum: the servers end where DDP would."""
     world, steps, lr = 2, 6, 0.1
-    _, _, models, clients = _setup(loop, world, shards=2, staleness=0)
+    _, _, models, clients = _setup(loop, world, shards=2, staleness=0, shared=shared)
     reference = _models(1)[0]
     ref_opt = torch.optim.SGD(reference.parameters(), lr=lr, momentum=0.9)
     opts = [torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9) for m in models]
@@ -91,8 +99,9 @@ def test_ssp_zero_with_momentum_sgd_is_ddp_maths(loop):
     assert all(c.snapshot().staleness_max == 0 for c in clients)
 
 
-def test_async_worker_runs_ahead_on_its_own_copy_and_catches_up(loop):
-    _, transport, models, clients = _setup(loop, 2, shards=1, staleness=None)
+@pytest.mark.parametrize("shared", [False, True], ids=["object-store", "shared-memory"])
+def test_async_worker_runs_ahead_on_its_own_copy_and_catches_up(loop, shared):
+    _, transport, models, clients = _setup(loop, 2, shards=1, staleness=None, shared=shared)
     model, client = models[0], clients[0]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = torch.randn(4, 5), torch.randn(4, 3)
@@ -113,8 +122,9 @@ def test_async_worker_runs_ahead_on_its_own_copy_and_catches_up(loop):
     assert stats.bytes_pushed == numel * 4 and stats.bytes_pulled == numel * 4
 
 
-def test_a_late_reply_is_merged_with_the_workers_own_next_step(loop):
-    _, transport, models, clients = _setup(loop, 2, shards=2, staleness=None)
+@pytest.mark.parametrize("shared", [False, True], ids=["object-store", "shared-memory"])
+def test_a_late_reply_is_merged_with_the_workers_own_next_step(loop, shared):
+    _, transport, models, clients = _setup(loop, 2, shards=2, staleness=None, shared=shared)
     model, client = models[0], clients[0]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = torch.randn(4, 5), torch.randn(4, 3)
@@ -129,6 +139,7 @@ def test_a_late_reply_is_merged_with_the_workers_own_next_step(loop):
     loss = torch.nn.functional.mse_loss(model(x), y)  # no before_forward: "too late"
     opt.zero_grad()
     loss.backward()
+    client.before_step()
     opt.step()
     second = _flat(model) - before
     client.after_step()
@@ -182,3 +193,14 @@ def test_forward_without_optimizer_step_warns_at_finish(loop, caplog):
     with caplog.at_level(logging.WARNING):
         clients[0].finish()
     assert "no optimizer.step()" in caplog.text
+
+
+def test_pieces_cut_parameters_at_shard_bounds():
+    # Parameters of 4, 3 and 5 elements over shard slices [0, 6) and [6, 12).
+    pieces = _pieces([4, 3, 5], [0, 6, 12])
+    assert [(pc.param, pc.p0, pc.p1, pc.shard, pc.s0, pc.flat0) for pc in pieces] == [
+        (0, 0, 4, 0, 0, 0),
+        (1, 0, 2, 0, 4, 4),
+        (1, 2, 3, 1, 0, 6),
+        (2, 0, 5, 1, 1, 7),
+    ]

@@ -1,0 +1,35 @@
+"""Shared-memory segments: what one process writes, another mapping sees."""
+
+import numpy as np
+import pytest
+
+from ray_ps_plugin import _shm
+from ray_ps_plugin._shm import Segment
+
+pytestmark = pytest.mark.skipif(not _shm.available(), reason="needs Linux memfd")
+
+
+def test_a_second_mapping_sees_the_same_memory():
+    a = Segment.create(64)
+    b = Segment.open(a.handle)  # as another process would, through /proc
+    a.view(8, np.float32, 4)[:] = [1, 2, 3, 4]
+    np.testing.assert_array_equal(b.view(8, np.float32, 4), [1, 2, 3, 4])
+    b.view(0, np.int16, 2)[:] = 7
+    assert a.bytes[0] == 7
+    b.close()
+    a.close()
+
+
+def test_views_outside_the_segment_are_refused():
+    seg = Segment.create(16)
+    with pytest.raises(ValueError, match="outside the 16-byte segment"):
+        seg.view(8, np.float32, 3)
+    seg.close()
+
+
+def test_a_handle_whose_creator_closed_it_cannot_be_opened():
+    seg = Segment.create(16)
+    handle = seg.handle
+    seg.close()
+    with pytest.raises(OSError):
+        Segment.open(handle)
