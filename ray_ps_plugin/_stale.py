@@ -468,6 +468,11 @@ class StaleClient:
         )
 
     @property
+    def shared_memory_shards(self) -> tuple[int, ...]:
+        """Shards reached through shared memory, in index order."""
+        return tuple(sorted(self._lanes))
+
+    @property
     def num_shards(self) -> int:
         return len(self._bounds) - 1
 

@@ -101,6 +101,10 @@ class PSContext:
         server_node_ids: The node id of each shard, in shard order.
         world_rank: This worker's rank.
         world_size: Number of workers.
+        shared_memory_shards: The shards this worker reaches through shared memory
+            (those on its node, unless ``shared_memory=False`` or the host cannot);
+            the others are reached through Ray's object store. Empty before
+            ``prepare_model``.
     """
 
     mode: str
@@ -108,6 +112,7 @@ class PSContext:
     server_node_ids: tuple[str, ...]
     world_rank: int
     world_size: int
+    shared_memory_shards: tuple[int, ...] = ()
     _client: "PSClient | StaleClient | None" = dataclasses.field(
         default=None, repr=False, compare=False
     )
@@ -443,6 +448,11 @@ class PSClient:
             )
 
     @property
+    def shared_memory_shards(self) -> tuple[int, ...]:
+        """Shards reached through shared memory, in index order."""
+        return tuple(sorted(self._lanes))
+
+    @property
     def next_step(self) -> int:
         """The synchronisation round the optimizer is about to apply."""
         return self._stats.steps
@@ -539,6 +549,7 @@ def get_ps_context() -> PSContext | None:
         server_node_ids=tuple(_RUN.server_node_ids),
         world_rank=ctx.get_world_rank(),
         world_size=ctx.get_world_size(),
+        shared_memory_shards=_CLIENTS[-1].shared_memory_shards if _CLIENTS else (),
         _client=_CLIENTS[-1] if _CLIENTS else None,
     )
 

@@ -89,6 +89,7 @@ def report_state(model: nn.Module, metrics: dict[str, Any]) -> None:
             ps_mode=ctx.mode,
             ps_num_servers=ctx.num_servers,
             ps_server_nodes=list(ctx.server_node_ids),
+            ps_shared_memory_shards=list(ctx.shared_memory_shards),
             ps_steps=st.steps,
             ps_bytes_pushed=st.bytes_pushed,
             ps_bytes_pulled=st.bytes_pulled,

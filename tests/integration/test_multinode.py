@@ -49,6 +49,13 @@ def test_each_shard_runs_on_its_workers_node(runs):
     assert nodes[0] == m["worker_node"]  # shard 0 sits with rank 0
 
 
+def test_shards_of_the_workers_node_are_reached_through_shared_memory(runs):
+    m = runs["ps"].metrics
+    local = [i for i, n in enumerate(m["ps_server_nodes"]) if n == m["worker_node"]]
+    assert local == [0]  # the shard on the other node goes through the object store
+    assert m["ps_shared_memory_shards"] == local
+
+
 def test_one_shard_per_node_when_asked(runs):
     m = runs["per_node"].metrics
     assert m["ps_num_servers"] == 2 and len(set(m["ps_server_nodes"])) == 2
