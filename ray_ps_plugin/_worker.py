@@ -567,7 +567,17 @@ def check_supported(module: torch.nn.Module) -> None:
 
     Raises:
         ValueError: If a layer produces sparse gradients.
+        TypeError: If a trainable parameter is bfloat16 (NumPy, which carries the
+            data between workers and shards, has no such dtype).
     """
+    bf16 = [n for n, p in module.named_parameters() if p.requires_grad and p.dtype == torch.bfloat16]
+    if bf16:
+        raise TypeError(
+            f"Parameter(s) {bf16[:3]}{'...' if len(bf16) > 3 else ''} are bfloat16, which "
+            "the parameter-server strategy cannot carry. Keep the model in float32 (and "
+            "use torch.autocast for bf16 compute, PSConfig(compression='bf16') for 16-bit "
+            "traffic), or use PSConfig(strategy='ddp')."
+        )
     sparse = [
         name
         for name, m in module.named_modules()

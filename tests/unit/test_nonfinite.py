@@ -66,6 +66,14 @@ def test_sparse_gradient_layers_are_refused_with_the_fix():
     check_supported(torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 2)))
 
 
+def test_bfloat16_parameters_are_refused_with_the_fix():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 2)).to(torch.bfloat16)
+    with pytest.raises(TypeError, match=r"\['0.weight', '0.bias'\] are bfloat16.*float32"):
+        check_supported(model)
+    model[0].requires_grad_(False)  # frozen bf16 layers are not synchronised: fine
+    check_supported(model)
+
+
 def test_all_finite_sees_nan_and_inf_in_tensors_and_arrays():
     from ray_ps_plugin._nonfinite import all_finite
 
