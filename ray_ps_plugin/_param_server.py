@@ -92,16 +92,17 @@ class ParamShardServer(ShardBase):
 
     async def push_local(self, rank: int, clock: int, slot: int) -> Reply:
         """:meth:`push_pull` for a worker attached through shared memory."""
-        params = await self._wait_initialised(rank)
-        inputs, _ = self._lanes[rank]
-        if inputs.handle.nbytes != params.numel() * params.element_size():
-            raise ShardProtocolError(
-                f"shard {self.shard_index}: rank {rank} attached a {inputs.handle.nbytes}"
-                f"-byte slice for {params.numel() * params.element_size()} bytes of "
-                "parameters; the workers' models differ."
-            )
-        delta = inputs.view(0, params.numpy().dtype, params.numel())
         with self._queued():
+            params = await self._wait_initialised(rank)
+            inputs, _ = self._lanes[rank]
+            if inputs.handle.nbytes != params.numel() * params.element_size():
+                raise ShardProtocolError(
+                    f"shard {self.shard_index}: rank {rank} attached a "
+                    f"{inputs.handle.nbytes}-byte slice for "
+                    f"{params.numel() * params.element_size()} bytes of parameters; the "
+                    "workers' models differ."
+                )
+            delta = inputs.view(0, params.numpy().dtype, params.numel())
             return await self._push_pull(rank, clock, delta, wire=False, slot=slot)
 
     async def pull_local(self, rank: int, clock: int, slot: int) -> Reply:

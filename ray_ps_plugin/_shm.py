@@ -18,14 +18,21 @@ fall back to the object store where it does not.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
-__all__ = ["Segment", "SegmentHandle", "available"]
+__all__ = ["Segment", "SegmentHandle", "attach_each", "available"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def available() -> bool:
@@ -120,3 +127,39 @@ class Segment:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def attach_each(
+    shards: Sequence[int], rank: int, attach: Callable[[int, list[Segment]], T]
+) -> dict[int, T]:
+    """Connects a worker to each of ``shards`` through shared memory, where it can.
+
+    Args:
+        shards: Shards on the worker's node.
+        rank: The worker's rank, for messages.
+        attach: Connects one shard; appends every segment it creates to the list,
+            so that they are released if it fails part-way.
+
+    Returns:
+        What ``attach`` returned, by shard. A shard that could not be attached (no
+        memfd on this host, /proc not readable, the call failed) is left out with a
+        warning: its data then travels through the object store, which is slower
+        but equivalent.
+    """
+    if not shards or not available():
+        return {}
+    lanes: dict[int, T] = {}
+    for s in shards:
+        created: list[Segment] = []
+        try:
+            lanes[s] = attach(s, created)
+        except Exception as e:  # noqa: BLE001 - the object store still works
+            for seg in created:
+                seg.close()
+            logger.warning(
+                "rank %d: no shared memory with shard %d (%s); using the object store.",
+                rank,
+                s,
+                e,
+            )
+    return lanes

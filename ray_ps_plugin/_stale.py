@@ -169,30 +169,16 @@ class StaleLane:
 def open_stale_lanes(
     transport: StaleTransport, shards: Sequence[int], slice_bytes: Sequence[int], rank: int
 ) -> dict[int, StaleLane]:
-    """Attaches this worker to parameter ``shards`` of its node through shared memory.
+    """Attaches this worker to parameter ``shards`` of its node through shared memory
+    (see :func:`~ray_ps_plugin._shm.attach_each` for what happens where it cannot)."""
 
-    A shard that cannot be attached is left out with a warning; its traffic then
-    goes through the object store.
-    """
-    if not shards or not shm.available():
-        return {}
-    lanes: dict[int, StaleLane] = {}
-    for s in shards:
-        segs: list[Segment] = []
-        try:
-            segs = [Segment.create(slice_bytes[s]) for _ in range(3)]
-            transport.attach(s, rank, segs[0].handle, (segs[1].handle, segs[2].handle))
-            lanes[s] = StaleLane(segs[0], (segs[1], segs[2]))
-        except Exception as e:  # noqa: BLE001 - the object store still works
-            for seg in segs:
-                seg.close()
-            logger.warning(
-                "rank %d: no shared memory with shard %d (%s); using the object store.",
-                rank,
-                s,
-                e,
-            )
-    return lanes
+    def attach(s: int, created: list[Segment]) -> StaleLane:
+        created.extend(Segment.create(slice_bytes[s]) for _ in range(3))
+        inputs, out0, out1 = created
+        transport.attach(s, rank, inputs.handle, (out0.handle, out1.handle))
+        return StaleLane(inputs, (out0, out1))
+
+    return shm.attach_each(shards, rank, attach)
 
 
 @dataclass(frozen=True)

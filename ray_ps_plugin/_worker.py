@@ -222,34 +222,19 @@ class Lane:
 def open_lanes(
     transport: "Transport", shards: Sequence[int], layout: StreamLayout, rank: int
 ) -> dict[int, Lane]:
-    """Attaches this worker to ``shards`` (all on its node) through shared memory.
+    """Attaches this worker to ``shards`` (all on its node) through shared memory
+    (see :func:`~ray_ps_plugin._shm.attach_each` for what happens where it cannot)."""
 
-    A shard that cannot be attached (no memfd on this host, /proc not readable) is
-    left out with a warning: its chunks then travel through the object store, which
-    is slower but equivalent.
-    """
-    if not shards or not shm.available():
-        return {}
-    lanes: dict[int, Lane] = {}
-    for s in shards:
+    def attach(s: int, created: list[Segment]) -> Lane:
         # The segment covers the shard's byte range plus slack: a chunk's last
         # element may end a few bytes past the range when the range is not aligned.
         lo, nbytes = layout.bounds[s], layout.bounds[s + 1] - layout.bounds[s] + 16
-        inputs = None
-        try:
-            inputs = Segment.create(nbytes)
-            handles = transport.attach(s, rank, inputs.handle, lo, nbytes)
-            lanes[s] = Lane(lo, inputs, tuple(Segment.open(h) for h in handles))
-        except Exception as e:  # noqa: BLE001 - the object store still works
-            if inputs is not None:
-                inputs.close()
-            logging.getLogger(__name__).warning(
-                "rank %d: no shared memory with shard %d (%s); using the object store.",
-                rank,
-                s,
-                e,
-            )
-    return lanes
+        created.append(Segment.create(nbytes))
+        handles = transport.attach(s, rank, created[0].handle, lo, nbytes)
+        created.extend(Segment.open(h) for h in handles)
+        return Lane(lo, created[0], tuple(created[1:]))
+
+    return shm.attach_each(shards, rank, attach)
 
 
 @dataclass

@@ -33,3 +33,19 @@ def test_a_handle_whose_creator_closed_it_cannot_be_opened():
     seg.close()
     with pytest.raises(OSError):
         Segment.open(handle)
+
+
+def test_a_shard_that_cannot_be_attached_falls_back_with_a_warning(caplog):
+    created_here = []
+
+    def attach(shard, created):
+        created.append(Segment.create(8))
+        created_here.extend(created)
+        if shard == 1:
+            raise OSError("permission denied")
+        return f"lane {shard}"
+
+    lanes = _shm.attach_each([0, 1], rank=3, attach=attach)
+    assert lanes == {0: "lane 0"}
+    assert "rank 3: no shared memory with shard 1 (permission denied)" in caplog.text
+    assert created_here[1].bytes.size == 0  # the failed shard's segment was released
