@@ -21,6 +21,7 @@ shards and every update is confirmed before the one after it is sent.
 """
 
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -289,13 +290,25 @@ class StaleClient:
         # colocated shard (saving a copy), else into ``_delta`` for the wire.
         self._np_dtype = self._base.numpy().dtype
         self._delta_parts = [
-            self._lane_tensor(self._lanes[s].inputs, b - a) if s in self._lanes else self._delta[a:b]
+            self._lane_tensor(self._lanes[s].inputs, b - a)
+            if s in self._lanes
+            else self._delta[a:b]
             for s, (a, b) in enumerate(self._slices())
         ]
         # Where each parameter's values lie among the shards' slices: deltas and
         # installs run per (parameter, shard) piece, with no flat intermediate copy.
         self._pieces = _pieces([p.numel() for p in self._params], self._bounds)
-        self._offsets = [pc.flat0 - pc.p0 for pc in self._pieces if pc.p0 == 0]
+        # Each parameter's first element in the flat vector (also for empty ones,
+        # which have no piece).
+        self._offsets = list(itertools.accumulate((p.numel() for p in self._params), initial=0))
+        # Bytes exchanged with each shard per push or reply: shared memory carries the
+        # parameters' dtype, the wire the codec's.
+        local_size = self._base.element_size()
+        wire_size = self._codec.wire_dtype.itemsize if self._codec.active else local_size
+        self._slice_bytes = [
+            (b - a) * (local_size if s in self._lanes else wire_size)
+            for s, (a, b) in enumerate(self._slices())
+        ]
         self._clock = 0
         self._stamp = 0  # slowest worker's clock contained in the installed parameters
         self._inflight: _InFlight | None = None
@@ -398,8 +411,7 @@ class StaleClient:
             self._stats.steps = self._clock
             self._stats.clock = self._clock
             self._stats.pushes += len(handles)
-            for s, (a, b) in enumerate(self._slices()):
-                nbytes = (b - a) * self._wire_itemsize(s)
+            for s, nbytes in enumerate(self._slice_bytes):
                 self._stats.bytes_pushed += nbytes
                 self._stats.bytes_pushed_per_shard[s] += nbytes
                 if s in self._remote:
@@ -483,12 +495,6 @@ class StaleClient:
     def _lane_tensor(self, seg: Segment, numel: int) -> torch.Tensor:
         return torch.from_numpy(seg.view(0, self._np_dtype, numel))
 
-    def _wire_itemsize(self, shard: int) -> int:
-        """Bytes per value exchanged with ``shard`` (shared memory is never encoded)."""
-        if shard in self._lanes or not self._codec.active:
-            return self._base.element_size()
-        return self._codec.wire_dtype.itemsize
-
     def _install(
         self, replies: list[Any], slot: int, plus: Sequence[torch.Tensor] | None = None
     ) -> None:
@@ -531,8 +537,7 @@ class StaleClient:
         clocks = [max(cs) for cs in zip(*(c for _, c, _ in replies))]
         with self._lock:
             self._stats.clocks = clocks
-            for s, (a, b) in enumerate(self._slices()):
-                nbytes = (b - a) * self._wire_itemsize(s)
+            for s, nbytes in enumerate(self._slice_bytes):
                 self._stats.bytes_pulled += nbytes
                 if s in self._remote:
                     self._stats.bytes_cross_node += nbytes

@@ -204,3 +204,10 @@ def test_pieces_cut_parameters_at_shard_bounds():
         (1, 2, 3, 1, 0, 6),
         (2, 0, 5, 1, 1, 7),
     ]
+
+
+def test_gpu_staging_offsets_count_empty_parameters(loop):
+    # An empty parameter has no piece; the offsets must still line up with the list.
+    params = [torch.zeros(3), torch.zeros(0), torch.zeros(2)]
+    client = StaleClient(FakeStaleTransport(loop, []), params, 1, 0, 1, None, 5.0)
+    assert client._offsets[:3] == [0, 3, 3]
