@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: demo test bench clean
+.PHONY: demo test lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,11 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q tests
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check ray_ps_plugin
+	$(VENV)/bin/ruff format --check ray_ps_plugin
+	$(VENV)/bin/mypy
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/step_time.py

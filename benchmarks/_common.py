@@ -14,7 +14,7 @@ import torch.nn as nn
 
 
 def reference_mlp(width: int = 2048) -> nn.Module:
-    """BRIEF §4's reference model: MLP 784-2048-2048-10 (5.8 M parameters)."""
+    """The reference model: MLP 784-2048-2048-10 (5.8 M parameters)."""
     return nn.Sequential(
         nn.Linear(784, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)
     )

@@ -1,7 +1,7 @@
 """Communication-only cost of one PS-sync step, by chunk size (no model, no DDP).
 
 Two worker actors each push a 23 MB fp32 buffer (the reference MLP's gradient) to two
-ShardServer actors, cut into chunks, and wait for the sums: the cost docs/benchmarks.md
+SumShard actors through the object store, cut into chunks, and wait for the sums: the cost docs/benchmarks.md
 attributes to per-object overhead. Variants: ``base`` (one put per chunk, as the plugin
 does today) and ``slice`` (one put per step shared by all shards, each reading its slice).
 
@@ -17,12 +17,12 @@ import time
 import numpy as np
 import ray
 
-from ray_ps_plugin._server import ShardServer
+from ray_ps_plugin._sync.shard import SumShard
 
 
-class _SliceServer(ShardServer):
+class _SliceServer(SumShard):
     async def push_slice(self, step: int, key: int, rank: int, whole: np.ndarray, a: int, b: int):
-        return await self.push_pull(step, key, rank, whole[a:b])
+        return await self.push_pull(0, step, key, rank, whole[a:b], "float32")
 
 
 @ray.remote(num_cpus=1)
@@ -44,7 +44,7 @@ class _Worker:
                 whole = ray.put(self.buf)
                 refs = [self.servers[s].push_slice.remote(step, a, self.rank, whole, a, b) for s, a, b in cuts]
             else:
-                refs = [self.servers[s].push_pull.remote(step, a, self.rank, self.buf[a:b]) for s, a, b in cuts]
+                refs = [self.servers[s].push_pull.remote(0, step, a, self.rank, self.buf[a:b], "float32") for s, a, b in cuts]
             for (_, a, b), r in zip(cuts, ray.get(refs, timeout=60)):
                 self.buf[a:b] = r
             times.append(time.perf_counter() - t0)

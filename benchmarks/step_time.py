@@ -1,14 +1,17 @@
-"""Step time of compute-only, DDP and PS-sync (two chunk sizes) on the reference MLP.
+"""Step time of compute-only, DDP and the PS variants on the reference MLP.
 
-The three variants are run in alternation (compute, DDP, PS, compute, DDP, PS, ...)
-so drifts of the machine hit them alike; each ratio is taken within one round and
-the table shows the median over rounds. Also reports bytes moved per worker per step
+The variants (``VARIANTS`` below: compute only, DDP, PS sync through shared memory,
+through the object store, with 4 MiB chunks, with bf16 compression, and async with
+and without bf16) are run in alternation (compute, DDP, PS, compute, DDP, PS, ...) so
+drifts of the machine hit them alike; each ratio is taken within one round and the
+table shows the median over rounds. ``--variants`` picks which PS variants run next
+to compute and DDP. Also reports bytes moved per worker per step
 against the minimum (push + pull of one model's gradients).
 
     python benchmarks/step_time.py            # reference: 3 rounds x 40 steps
     python benchmarks/step_time.py --quick    # smoke run
 
-Reference model (BRIEF §4): MLP 784-2048-2048-10 (5.8 M params), batch 32,
+Reference model: MLP 784-2048-2048-10 (5.8 M params), batch 32,
 2 CPU workers with 1 torch thread each.
 """
 

@@ -5,8 +5,8 @@ server shards colocated with the workers and DDP's all-reduce.
 """
 
 from ray_ps_plugin._errors import PSError, PSTimeoutError
+from ray_ps_plugin._runtime import PSContext, get_ps_context
 from ray_ps_plugin._stats import PSStats
-from ray_ps_plugin._worker import PSContext, get_ps_context
 from ray_ps_plugin.config import PSConfig
 from ray_ps_plugin.trainer import PSTrainer
 

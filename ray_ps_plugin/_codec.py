@@ -2,8 +2,9 @@
 
 With ``PSConfig(compression="bf16" | "fp16")`` every tensor that travels (gradient
 chunks and sums in sync mode, deltas and parameters in async/ssp) is sent as 16-bit
-values, halving the bytes. The shards decode to fp32 and keep fp32 accumulators and
-fp32 master parameters, so rounding happens only on the wire, never in the state.
+values, halving the bytes. The shards decode to the model's dtype (at least fp32)
+and keep their sums and master parameters in it, so rounding happens only on the
+wire, never in the state.
 
 NumPy has no bfloat16, so bf16 travels as the raw 16-bit patterns in an ``int16``
 array (Ray ships NumPy arrays zero-copy) and is reinterpreted with torch.
@@ -15,11 +16,15 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["COMPRESSIONS", "Codec"]
+from ray_ps_plugin._types import Compression
 
-COMPRESSIONS = ("bf16", "fp16")
+__all__ = ["Codec"]
 
-_WIRE = {None: torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_WIRE: dict[Compression | None, torch.dtype] = {
+    None: torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+}
 
 
 def _as_torch(arr: np.ndarray) -> torch.Tensor:
@@ -36,7 +41,7 @@ class Codec:
         compression: ``None`` (fp32 on the wire), ``"fp16"`` or ``"bf16"``.
     """
 
-    def __init__(self, compression: str | None) -> None:
+    def __init__(self, compression: Compression | None) -> None:
         if compression not in _WIRE:
             raise ValueError(f"unknown compression {compression!r}")
         self.compression = compression
@@ -54,12 +59,12 @@ class Codec:
         wire = t.to(device="cpu", dtype=self.wire_dtype)
         return wire.view(torch.int16).numpy() if self.compression == "bf16" else wire.numpy()
 
-    def decode(self, arr: np.ndarray) -> torch.Tensor:
-        """The fp32 values of a wire array (the array itself when uncompressed)."""
+    def decode(self, arr: np.ndarray, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The values of a wire array as ``dtype`` (the array itself when uncompressed)."""
         t = _as_torch(arr)
         if self.compression == "bf16":
             t = t.view(torch.bfloat16)
-        return t.float() if self.active else t
+        return t.to(dtype) if self.active else t
 
     def encode_np(self, values: np.ndarray) -> np.ndarray:
         """Shard side: a fresh wire array of fp32 ``values`` (a copy when uncompressed)."""
@@ -67,9 +72,12 @@ class Codec:
             return values.copy()
         return self.encode(_as_torch(values))
 
-    def decode_np(self, arr: np.ndarray) -> np.ndarray:
-        """Shard side: fp32 values of a wire array (the array itself when uncompressed)."""
-        return arr if not self.active else self.decode(arr).numpy()
+    def decode_np(self, arr: np.ndarray, dtype: str = "float32") -> np.ndarray:
+        """Shard side: the values of a wire array as ``dtype`` (the array itself when
+        uncompressed)."""
+        if not self.active:
+            return arr
+        return self.decode(arr, getattr(torch, dtype)).numpy()
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (Codec, (self.compression,))

@@ -1,9 +1,6 @@
 """Errors the plugin raises inside the training function."""
 
-from collections.abc import Callable, Sequence
-from typing import Any
-
-__all__ = ["PSError", "PSTimeoutError", "WaitTimeout", "failed_indices"]
+__all__ = ["PSError", "PSTimeoutError", "ShardProtocolError", "ShardTimeoutError", "WaitTimeout"]
 
 
 class PSError(RuntimeError):
@@ -23,22 +20,10 @@ class WaitTimeout(TimeoutError):
     """
 
 
-def failed_indices(wait: Callable[[list[Any], float], Any], handles: Sequence[Any]) -> list[int]:
-    """Indices of the calls that failed (rather than still running).
+class ShardTimeoutError(TimeoutError):
+    """Raised inside a shard: it waited longer than ``ps_timeout_s`` for workers."""
 
-    Used after a batch wait raised, so the error can name the shard whose call
-    failed (e.g. a dead actor) instead of every shard the batch touched.
 
-    Args:
-        wait: A transport's ``wait(handles, timeout_s)``.
-        handles: The calls of the batch, in order.
-    """
-    failed = []
-    for i, handle in enumerate(handles):
-        try:
-            wait([handle], 0.01)
-        except WaitTimeout:
-            continue
-        except Exception:  # noqa: BLE001 - a failed call is what we look for
-            failed.append(i)
-    return failed
+class ShardProtocolError(RuntimeError):
+    """Raised inside a shard: a call cannot belong to this run (e.g. the workers'
+    models differ, or a step or clock is out of order)."""

@@ -15,21 +15,33 @@ from typing import Any
 
 from ray_ps_plugin._stats import PSStats
 
-__all__ = ["WorkerMetrics", "ShardMetrics", "gauge_factory"]
+__all__ = ["ShardMetrics", "WorkerMetrics", "gauge_factory"]
 
 GaugeFactory = Callable[[str, str, tuple[str, ...]], Any]
 
 # (metric name, description, how to read it from PSStats)
 _WORKER_GAUGES: tuple[tuple[str, str, Callable[[PSStats], float]], ...] = (
-    ("ray_ps_steps", "Synchronisation rounds (sync) or updates pushed (async/ssp).",
-     lambda s: s.steps),
+    (
+        "ray_ps_steps",
+        "Synchronisation rounds (sync) or updates pushed (async/ssp).",
+        lambda s: s.steps,
+    ),
     ("ray_ps_bytes_pushed", "Bytes this worker sent to the shards.", lambda s: s.bytes_pushed),
-    ("ray_ps_bytes_pulled", "Bytes this worker received from the shards.",
-     lambda s: s.bytes_pulled),
-    ("ray_ps_bytes_cross_node", "Bytes exchanged with shards on other nodes.",
-     lambda s: s.bytes_cross_node),
-    ("ray_ps_push_pull_latency_s", "Latest bucket round trip (sync mode).",
-     lambda s: s.last_sync_s),
+    (
+        "ray_ps_bytes_pulled",
+        "Bytes this worker received from the shards.",
+        lambda s: s.bytes_pulled,
+    ),
+    (
+        "ray_ps_bytes_cross_node",
+        "Bytes exchanged with shards on other nodes.",
+        lambda s: s.bytes_cross_node,
+    ),
+    (
+        "ray_ps_push_pull_latency_s",
+        "Latest bucket round trip (sync mode).",
+        lambda s: s.last_sync_s,
+    ),
     ("ray_ps_staleness_max", "Largest clock gap seen (async/ssp).", lambda s: s.staleness_max),
     ("ray_ps_staleness_mean", "Mean clock gap seen (async/ssp).", lambda s: s.staleness_mean),
     ("ray_ps_wait_s", "Seconds blocked waiting for the shards (async/ssp).", lambda s: s.wait_s),

@@ -19,10 +19,9 @@ import numpy as np
 import torch
 
 from ray_ps_plugin._errors import PSError
+from ray_ps_plugin._types import NanPolicy
 
-__all__ = ["NAN_POLICIES", "NonFiniteGuard", "all_finite"]
-
-NAN_POLICIES = ("raise", "skip", "ignore")
+__all__ = ["NonFiniteGuard", "all_finite"]
 
 logger = logging.getLogger(__name__)
 
@@ -30,12 +29,17 @@ logger = logging.getLogger(__name__)
 def all_finite(values: "torch.Tensor | np.ndarray") -> bool:
     """Whether no element is NaN or Inf, in one pass without a mask allocation.
 
-    NaN and Inf propagate through a sum, so checking the sum suffices; a sum that
-    overflows (elements around 1e32 and up) also counts as non-finite, which only
-    happens once training has already diverged.
+    NaN and Inf propagate through a sum, so checking the sum suffices. 16-bit values
+    are summed in fp32, where a sum of finite values cannot overflow (fp16's largest
+    value times a billion elements is far below fp32's range). A fp32 or fp64 sum
+    overflows only for elements near the top of their range, which only happens once
+    training has already diverged.
     """
-    total = values.sum()
-    return bool(np.isfinite(total)) if isinstance(values, np.ndarray) else bool(torch.isfinite(total))
+    if isinstance(values, np.ndarray):
+        wide = np.float32 if values.dtype.itemsize < 4 else values.dtype
+        return bool(np.isfinite(values.sum(dtype=wide)))
+    wide_t = torch.float32 if values.element_size() < 4 else values.dtype
+    return bool(torch.isfinite(values.sum(dtype=wide_t)))
 
 
 class NonFiniteGuard:
@@ -50,7 +54,7 @@ class NonFiniteGuard:
     """
 
     def __init__(
-        self, policy: str, rank: int, params: Sequence[torch.Tensor], check_local: bool
+        self, policy: NanPolicy, rank: int, params: Sequence[torch.Tensor], check_local: bool
     ) -> None:
         self.policy = policy
         self._rank = rank
@@ -59,7 +63,7 @@ class NonFiniteGuard:
         self._check_local = check_local
         # Keyed by the optimizer itself, weakly: an id() could be reused by a new
         # optimizer once the old one is collected.
-        self._owned: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = (
+        self._owned: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = (
             weakref.WeakKeyDictionary()
         )
         self._lock = threading.Lock()
@@ -75,7 +79,12 @@ class NonFiniteGuard:
         return owned
 
     def flag(self, step: int) -> None:
-        """Marks ``step``'s summed gradient as non-finite (sync mode, comm thread)."""
+        """Marks ``step``'s summed gradient as non-finite (sync mode, comm thread).
+
+        The flag belongs to that step only: when the optimizer never steps on it
+        (e.g. ``torch.amp.GradScaler`` skips a step whose scaled gradients overflowed,
+        as it is designed to), the next, finite step is not affected.
+        """
         with self._lock:
             self._flagged = step
 
@@ -83,7 +92,7 @@ class NonFiniteGuard:
         """Raises or skips if this step's gradients are not finite.
 
         Args:
-            step: The step (sync round or clock) about to be applied, for messages.
+            step: The step (sync round or clock) about to be applied.
 
         Raises:
             PSError: With ``policy="raise"``, if a gradient holds NaN or Inf.
@@ -91,7 +100,7 @@ class NonFiniteGuard:
         if self.policy == "ignore":
             return
         with self._lock:
-            bad, self._flagged = self._flagged is not None, None
+            bad, self._flagged = self._flagged == step, None
         if not bad and self._check_local:
             bad = any(p.grad is not None and not all_finite(p.grad) for p in self._params)
         if not bad:

@@ -18,6 +18,7 @@ fall back to the object store where it does not.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -48,11 +49,16 @@ class SegmentHandle:
         pid: Process id of the segment's creator.
         fd: The creator's file descriptor of the segment.
         nbytes: Size of the segment.
+        dev: Device of the segment's inode, as the creator saw it.
+        ino: The segment's inode number. With ``dev`` it identifies the segment:
+            a pid or fd number reused after the creator died cannot pass for it.
     """
 
     pid: int
     fd: int
     nbytes: int
+    dev: int = -1
+    ino: int = -1
 
 
 class Segment:
@@ -68,7 +74,7 @@ class Segment:
         self.bytes = np.frombuffer(mm, dtype=np.uint8)
 
     @classmethod
-    def create(cls, nbytes: int) -> "Segment":
+    def create(cls, nbytes: int) -> Segment:
         """Allocates a zero-filled segment of ``nbytes`` bytes.
 
         Raises:
@@ -84,19 +90,24 @@ class Segment:
         except BaseException:
             os.close(fd)
             raise
-        return cls(mm, SegmentHandle(os.getpid(), fd, nbytes), fd)
+        st = os.fstat(fd)
+        return cls(mm, SegmentHandle(os.getpid(), fd, nbytes, st.st_dev, st.st_ino), fd)
 
     @classmethod
-    def open(cls, handle: SegmentHandle) -> "Segment":
+    def open(cls, handle: SegmentHandle) -> Segment:
         """Maps a segment another process of this node created.
 
         Raises:
             OSError: If the creator is gone or is not reachable from here (another
-                node, another user).
+                node, another user), or the file found there is not the segment
+                the handle names (a reused pid or fd).
         """
         fd = os.open(f"/proc/{handle.pid}/fd/{handle.fd}", os.O_RDWR)
         try:
-            if os.fstat(fd).st_size != handle.nbytes:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != (handle.dev, handle.ino):
+                raise OSError(f"segment {handle} is not the file found there; stale handle?")
+            if st.st_size != handle.nbytes:
                 raise OSError(f"segment {handle} has the wrong size; stale handle?")
             mm = mmap.mmap(fd, handle.nbytes)
         finally:
@@ -120,10 +131,9 @@ class Segment:
     def close(self) -> None:
         """Drops this process's mapping (the memory lives on while others map it)."""
         self.bytes = np.empty(0, np.uint8)
-        try:
+        # A view may still be alive somewhere; then the GC unmaps it later.
+        with contextlib.suppress(BufferError):
             self._mm.close()
-        except BufferError:
-            pass  # a view is still alive somewhere; the GC unmaps it later
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
@@ -153,7 +163,7 @@ def attach_each(
         created: list[Segment] = []
         try:
             lanes[s] = attach(s, created)
-        except Exception as e:  # noqa: BLE001 - the object store still works
+        except Exception as e:
             for seg in created:
                 seg.close()
             logger.warning(

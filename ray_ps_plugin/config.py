@@ -1,22 +1,54 @@
-"""``PSConfig``: the one flag that switches a TorchTrainer loop between DDP and PS."""
+"""``PSConfig``, the one flag that switches a TorchTrainer loop between DDP and PS,
+and ``PSBackend``, which starts, places and stops the server shards.
+
+As in Ray's own ``ray/train/torch/config.py``, the config names its backend: Ray
+Train instantiates ``backend_cls`` inside its controller actor and wraps the user's
+training function in ``train_func_context`` on every worker.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
 
-from ray.train.torch.config import TorchConfig, TorchConfigContextManager, _TorchBackend
+import ray
+from ray.train.backend import BackendConfig
+from ray.train.torch import TorchConfig
+from ray.util.scheduling_strategies import (
+    NodeAffinitySchedulingStrategy,
+    PlacementGroupSchedulingStrategy,
+)
 
-from ray_ps_plugin._codec import COMPRESSIONS
-from ray_ps_plugin._nonfinite import NAN_POLICIES
+from ray_ps_plugin import _runtime
+from ray_ps_plugin._ddp import PSTrainFuncContext
+from ray_ps_plugin._modes import MODE_SPECS
+from ray_ps_plugin._ray_compat import (
+    TorchBackend,
+    TorchConfigContextManager,
+    worker_placement_group,
+    worker_places,
+)
+from ray_ps_plugin._sync.client import SHARD_MAX_CONCURRENCY
+from ray_ps_plugin._types import (
+    COMPRESSIONS,
+    MODES,
+    NAN_POLICIES,
+    SERVER_PLACEMENTS,
+    STRATEGIES,
+    Compression,
+    Mode,
+    NanPolicy,
+    ServerPlacement,
+    Strategy,
+)
 
-__all__ = ["PSConfig", "STRATEGIES", "MODES", "NAN_POLICIES", "COMPRESSIONS", "SERVER_PLACEMENTS"]
+__all__ = ["PSBackend", "PSConfig"]
 
-STRATEGIES = ("ddp", "ps")
-MODES = ("sync", "async", "ssp")
-SERVER_PLACEMENTS = ("worker", "node")
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -37,11 +69,10 @@ class PSConfig(TorchConfig):
         num_servers: Number of server shards. ``None`` starts one per worker, each on
             its worker's node. More shards than workers are placed round-robin on the
             workers' bundles.
-        chunk_bytes: Largest message a worker sends to one shard. Gradients are cut
-            into chunks of at most this many bytes, so big buckets reach several
-            shards and several messages can be in flight at once. The default
-            (16 MiB) is the measured optimum on a 2-core node, where every extra
-            message costs more than the pipelining it buys (see docs/benchmarks.md).
+        chunk_bytes: Largest message a worker sends to one shard (sync mode).
+            Gradients are cut into chunks of at most this many bytes, so big
+            buckets reach several shards and several messages can be in flight at
+            once.
         ps_timeout_s: Bound, in seconds, on every wait for a server shard during
             training (a push waiting for the other workers, a worker waiting for a
             sum) and on handing the servers to the workers and taking them back. A
@@ -51,10 +82,11 @@ class PSConfig(TorchConfig):
         nan_policy: What a step whose gradients hold NaN or Inf does: ``"raise"``
             (fail with an error naming rank and step), ``"skip"`` (the optimizer
             step is dropped, with a warning) or ``"ignore"`` (no check, like DDP).
-        compression: ``None`` (fp32 on the wire), ``"bf16"`` or ``"fp16"``: what
-            workers and shards send each other as 16-bit values, halving the bytes.
-            Shards keep fp32 sums and fp32 master parameters. Compression applies to
-            traffic through Ray's object store; shared memory carries full precision.
+        compression: ``None`` (the model's dtype on the wire), ``"bf16"`` or
+            ``"fp16"``: what workers and shards send each other through Ray's object
+            store as 16-bit values, halving the bytes. Shards keep their sums and
+            master parameters in the model's dtype (at least fp32); shared memory
+            carries full precision.
         shared_memory: Whether a worker exchanges data with the shards of its own
             node through shared memory (only a small control message per chunk goes
             through Ray), as BytePS does within a machine. Shards on other nodes are
@@ -74,16 +106,16 @@ class PSConfig(TorchConfig):
         TypeError: If a field has the wrong type.
     """
 
-    strategy: str = "ps"
-    mode: str = "sync"
+    strategy: Strategy = "ps"
+    mode: Mode = "sync"
     staleness: int = 0
     num_servers: int | None = None
     chunk_bytes: int = 16 * 1024 * 1024
     ps_timeout_s: float = 120.0
     ps_start_timeout_s: float = 120.0
-    nan_policy: str = "raise"
-    compression: str | None = None
-    server_placement: str = "worker"
+    nan_policy: NanPolicy = "raise"
+    compression: Compression | None = None
+    server_placement: ServerPlacement = "worker"
     shared_memory: bool = True
 
     def __post_init__(self) -> None:
@@ -116,36 +148,18 @@ class PSConfig(TorchConfig):
             )
 
     @property
-    def backend_cls(self) -> type[_TorchBackend]:
-        if self.strategy == "ddp":
-            return _TorchBackend
-        from ray_ps_plugin._backend import PSBackend
-
-        return PSBackend
+    def backend_cls(self) -> type[TorchBackend]:
+        return TorchBackend if self.strategy == "ddp" else PSBackend
 
     @property
     def train_func_context(self) -> Any:
         if self.strategy == "ddp":
             return TorchConfigContextManager
-        from ray_ps_plugin._worker import PSTrainFuncContext
-
-        return functools.partial(PSTrainFuncContext, self, TorchConfigContextManager)
+        return functools.partial(PSTrainFuncContext, TorchConfigContextManager)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            **super().to_dict(),
-            "strategy": self.strategy,
-            "mode": self.mode,
-            "staleness": self.staleness,
-            "num_servers": self.num_servers,
-            "chunk_bytes": self.chunk_bytes,
-            "ps_timeout_s": self.ps_timeout_s,
-            "ps_start_timeout_s": self.ps_start_timeout_s,
-            "nan_policy": self.nan_policy,
-            "compression": self.compression,
-            "server_placement": self.server_placement,
-            "shared_memory": self.shared_memory,
-        }
+        own = {f.name: getattr(self, f.name) for f in dataclasses.fields(PSConfig)}
+        return {**super().to_dict(), **own}
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
@@ -160,9 +174,7 @@ def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
 
 def _check_int(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(
-            f"PSConfig.{name} must be an int, got {type(value).__name__} {value!r}."
-        )
+        raise TypeError(f"PSConfig.{name} must be an int, got {type(value).__name__} {value!r}.")
     if value < minimum:
         raise ValueError(f"PSConfig.{name} must be >= {minimum}, got {value}.")
 
@@ -170,11 +182,136 @@ def _check_int(name: str, value: object, minimum: int) -> None:
 def _check_seconds(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(
-            f"PSConfig.{name} must be a number of seconds, got "
-            f"{type(value).__name__} {value!r}."
+            f"PSConfig.{name} must be a number of seconds, got {type(value).__name__} {value!r}."
         )
     if not (value > 0 and math.isfinite(value)):
         raise ValueError(
             f"PSConfig.{name} must be a finite number of seconds > 0, got {value!r}; "
             "every wait on a server needs a bound."
         )
+
+
+def shard_placements(worker_group: Any, num_servers: int | None, per_node: bool) -> list[Any]:
+    """One scheduling strategy per shard: shard i goes where worker i % W lives.
+
+    With ``per_node`` there is one shard per node, with the node's lowest-rank worker.
+    ``num_servers=None`` means one per worker.
+
+    The shard is put *inside* its worker's placement-group bundle with ``num_cpus=0``
+    so it is reserved and released together with the workers and never competes with
+    other trials for CPUs. Without an explicit strategy an actor created by the
+    controller inside a Tune trial would be captured into the trial's group.
+    """
+    places = worker_places(worker_group)
+    if per_node:
+        first: dict[str, Any] = {}
+        for p in places:
+            first.setdefault(p.node_id, p)
+        places = list(first.values())
+        num_servers = len(places)
+    num_servers = num_servers or len(places)
+    pg = worker_placement_group(worker_group)
+    strategies: list[Any] = []
+    for i in range(num_servers):
+        place = places[i % len(places)]
+        if pg is not None and place.bundle_index is not None:
+            strategies.append(
+                PlacementGroupSchedulingStrategy(
+                    placement_group=pg,
+                    placement_group_bundle_index=place.bundle_index,
+                    placement_group_capture_child_tasks=False,
+                )
+            )
+        else:
+            strategies.append(NodeAffinitySchedulingStrategy(place.node_id, soft=False))
+    return strategies
+
+
+class PSBackend(TorchBackend):
+    """Torch backend plus the parameter-server shards of one run.
+
+    Runs inside Ray Train's controller actor. The controller owns the shard actors,
+    so they die with it even when Tune aborts a trial without calling
+    ``on_shutdown``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._servers: list[Any] = []
+
+    def on_start(self, worker_group: Any, backend_config: BackendConfig) -> None:
+        assert isinstance(backend_config, PSConfig)
+        try:
+            # The torch process group stays: DDP's constructor broadcasts rank 0's
+            # parameters and buffers through it so all workers start identical.
+            super().on_start(worker_group, backend_config)
+            self._start_servers(worker_group, backend_config)
+        except BaseException:
+            # Ray calls no on_shutdown when on_start raises: undo here.
+            self._stop_servers()
+            pg = worker_placement_group(worker_group)
+            if pg is not None:
+                try:
+                    ray.util.remove_placement_group(pg)
+                except Exception as e:
+                    logger.warning("Could not remove the worker placement group: %s", e)
+            raise
+
+    def shard_class(self, cfg: PSConfig) -> type:
+        """The shard class of ``cfg.mode`` (tests substitute instrumented ones)."""
+        return MODE_SPECS[cfg.mode].shard_cls
+
+    def _start_servers(self, worker_group: Any, cfg: PSConfig) -> None:
+        num_workers = len(worker_group)
+        placements = shard_placements(
+            worker_group, cfg.num_servers, per_node=cfg.server_placement == "node"
+        )
+        actor_cls: Any = ray.remote(self.shard_class(cfg))
+        args = MODE_SPECS[cfg.mode].shard_args(cfg)
+        for i, strategy in enumerate(placements):
+            self._servers.append(
+                actor_cls.options(
+                    num_cpus=0,
+                    scheduling_strategy=strategy,
+                    max_restarts=0,
+                    max_concurrency=SHARD_MAX_CONCURRENCY,
+                ).remote(i, num_workers, *args)
+            )
+        try:
+            ready = ray.get(
+                [s.ready.remote() for s in self._servers], timeout=cfg.ps_start_timeout_s
+            )
+        except ray.exceptions.GetTimeoutError as e:
+            raise TimeoutError(
+                f"{len(placements)} parameter-server shard(s) did not start within "
+                f"ps_start_timeout_s={cfg.ps_start_timeout_s:g}s."
+            ) from e
+        info = _runtime.RunInfo(
+            settings=cfg,
+            servers=list(self._servers),
+            server_node_ids=[r["node_id"] for r in ready],
+        )
+        ray.get(worker_group.execute_async(_runtime.install_run, info), timeout=cfg.ps_timeout_s)
+        logger.info(
+            "Started %d parameter-server shard(s) for %d workers.", len(placements), num_workers
+        )
+
+    def on_shutdown(self, worker_group: Any, backend_config: BackendConfig) -> None:
+        assert isinstance(backend_config, PSConfig)
+        try:
+            ray.get(
+                worker_group.execute_async(_runtime.uninstall_run),
+                timeout=backend_config.ps_timeout_s,
+            )
+        except Exception as e:
+            logger.warning("Could not reach every worker on shutdown: %s", e)
+        finally:
+            self._stop_servers()
+            super().on_shutdown(worker_group, backend_config)
+
+    def _stop_servers(self) -> None:
+        # ray.kill returns at once (no wait to bound); the actors' bundles are
+        # released with the workers' placement group.
+        servers, self._servers = self._servers, []
+        for s in servers:
+            ray.kill(s, no_restart=True)

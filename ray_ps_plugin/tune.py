@@ -26,6 +26,7 @@ See ``docs/tune.md`` for the resource rules.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Mapping
@@ -34,9 +35,14 @@ from typing import Any
 import ray
 import ray.tune
 from ray.train import RunConfig, ScalingConfig
-from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from ray_ps_plugin._ray_compat import (
+    ControllerCallback,
+    WorkerGroupCallback,
+    ping_actor,
+    worker_placement_group,
+)
 from ray_ps_plugin.config import PSConfig
 from ray_ps_plugin.trainer import PSTrainer
 
@@ -217,7 +223,7 @@ def _experiment_storage(ctx: Any) -> dict[str, Any]:
             "storage_path": storage.experiment_fs_path,
             "storage_filesystem": storage.storage_filesystem,
         }
-    except Exception:  # noqa: BLE001 - falls back to Ray's own default location
+    except Exception:
         return {}
 
 
@@ -281,7 +287,7 @@ class _PlacementGroupReaperCallback(ControllerCallback, WorkerGroupCallback):
         runtime = ray.get_runtime_context()
         # Detached so it outlives the controller; an explicit strategy so it is not
         # captured into the trial's placement group, which Tune removes on stop.
-        self._reaper = _Reaper.options(
+        self._reaper = _Reaper.options(  # type: ignore[attr-defined]
             lifetime="detached",
             num_cpus=0,
             max_restarts=0,
@@ -290,9 +296,9 @@ class _PlacementGroupReaperCallback(ControllerCallback, WorkerGroupCallback):
         self._reaper.run.remote()
 
     def after_worker_group_start(self, worker_group: Any) -> None:
-        if self._reaper is not None:
-            state = worker_group.get_worker_group_state()
-            self._reaper.watch.remote(state.placement_group_handle.placement_group)
+        pg = worker_placement_group(worker_group)
+        if self._reaper is not None and pg is not None:
+            self._reaper.watch.remote(pg)
 
     async def before_controller_shutdown(self) -> None:
         # A clean end: Train has removed the group; the reaper just leaves.
@@ -318,23 +324,29 @@ class _Reaper:
         self._stopped.set()
 
     async def run(self) -> None:
+        try:
+            await self._watch()
+        finally:
+            # Whatever ended the loop, this detached actor must not outlive it.
+            ray.actor.exit_actor()
+
+    async def _watch(self) -> None:
         while not self._stopped.is_set():
             try:
                 # Deliberately no timeout: a busy controller is alive, and treating a
                 # slow answer as death would free the placement group of a live run.
                 # Death itself is reported promptly as RayActorError.
-                await self._controller.__ray_ready__.remote()
+                await ping_actor(self._controller)
             except ray.exceptions.ActorUnavailableError:
                 pass  # transient (e.g. a network blip); keep asking
             except ray.exceptions.RayActorError:
                 for pg in self._groups:
                     try:
                         ray.util.remove_placement_group(pg)
-                    except Exception as e:  # noqa: BLE001 - already removed is fine
+                    except Exception as e:
                         logger.debug("Placement group %s not removed: %s", pg.id, e)
-                break
-            try:
+                return
+            except Exception:
+                logger.warning("Reaper: unexpected error pinging the controller.", exc_info=True)
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stopped.wait(), self._PING_INTERVAL_S)
-            except asyncio.TimeoutError:
-                pass
-        ray.actor.exit_actor()

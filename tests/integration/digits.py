@@ -1,4 +1,4 @@
-"""The digits task of BRIEF §4: scikit-learn's bundled 8x8 digits, a small MLP.
+"""The digits task: scikit-learn's bundled 8x8 digits, a small MLP.
 
 No download: the data ships inside scikit-learn. Shipped to workers by value.
 """
@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from ray_ps_plugin import get_ps_context
-from tests.integration.loops import report_with_model
+from tests.integration.loops import report_with_model, run_servers
 
 
 def load_digits_split(seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -109,18 +109,16 @@ def digits_loop(config: dict[str, Any]) -> None:
 def probe_servers(model: nn.Module) -> dict[str, Any]:
     """Rank 0, async/ssp: the checkpoint equals the shards' parameters, and a
     redelivered push changes nothing. Reaches into the run's shard handles."""
-    from ray_ps_plugin import _worker
-
-    servers = _worker._RUN.servers
+    servers = run_servers()
     saved = model.module.state_dict()  # pulls the shards' current parameters
     flat_saved = torch.cat([v.reshape(-1) for k, v in saved.items()])
     clock = get_ps_context().stats.clock
-    pulled = [ray.get(s.pull.remote(0, clock), timeout=30) for s in servers]
+    pulled = [ray.get(s.pull.remote(0, 0, clock), timeout=30) for s in servers]
     flat_server = torch.from_numpy(np.concatenate([r[0] for r in pulled]))
     # Redeliver rank 0's last update (same clock) with a huge delta: must be ignored.
     bounds = [0] + list(np.cumsum([r[0].size for r in pulled]))
     replies = [
-        ray.get(s.push_pull.remote(0, clock, np.full(b - a, 1e6, dtype=np.float32)), timeout=30)
+        ray.get(s.push_pull.remote(0, 0, clock, np.full(b - a, 1e6, dtype=np.float32)), timeout=30)
         for s, a, b in zip(servers, bounds, bounds[1:])
     ]
     flat_after = torch.from_numpy(np.concatenate([r[0] for r in replies]))
@@ -132,5 +130,6 @@ def probe_servers(model: nn.Module) -> dict[str, Any]:
         "duplicates": sum(st["duplicates"] for st in stats),
         "pushes": sum(st["pushes"] for st in stats),
         "max_read_gap": max(c - m for r in reads for _, c, m in r),
+        "max_read_gap_counter": max(st["max_read_gap"] for st in stats),
         "reads": sum(len(r) for r in reads),
     }

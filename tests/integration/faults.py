@@ -5,6 +5,7 @@ that they happened, so the restarted worker group trains on.
 """
 
 import os
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -46,8 +47,11 @@ def resumable_loop(config: dict[str, Any]) -> None:
 
     Faults: ``fail_rank``/``fail_step`` kill that worker's process in the middle of
     the step (after backward, before the optimizer step); ``kill_shard``/
-    ``kill_step`` make rank 0 kill that server shard actor; ``nan_rank``/
-    ``nan_step`` poison that worker's gradient.
+    ``kill_step`` make rank 0 kill that server shard actor (in the middle of the
+    step: after backward, before the optimizer step); ``stop_shard``/``stop_step``
+    make rank 0 stop that shard's process with SIGSTOP before the step's forward,
+    so it hangs without dying; ``nan_rank``/``nan_step`` poison that worker's
+    gradient.
     """
     rank = ray.train.get_context().get_world_rank()
     model = _model()
@@ -70,6 +74,13 @@ def resumable_loop(config: dict[str, Any]) -> None:
         ray.train.collective.barrier()  # nobody pushes before the probe has read
     steps_run = 0
     for step in range(start, config["steps"]):
+        if rank == 0 and step == config.get("stop_step") and _once(config, "stop"):
+            from tests.integration.loops import run_servers
+
+            server = run_servers()[config["stop_shard"]]
+            pid = ray.get(server.ready.remote(), timeout=30)["pid"]
+            Path(config["marker_dir"], "stopped_at").write_text(repr(time.monotonic()))
+            os.kill(pid, signal.SIGSTOP)  # hangs; ray.kill at shutdown still ends it
         x, y = _batch(step, rank)
         loss = nn.functional.cross_entropy(model(x), y)
         if rank == config.get("nan_rank") and step == config.get("nan_step"):
@@ -79,9 +90,9 @@ def resumable_loop(config: dict[str, Any]) -> None:
         if rank == config.get("fail_rank") and step == config.get("fail_step") and _once(config, "fail"):
             os._exit(1)  # the process dies mid-step: no cleanup, no report
         if rank == 0 and step == config.get("kill_step") and _once(config, "kill"):
-            from ray_ps_plugin import _worker
+            from tests.integration.loops import run_servers
 
-            ray.kill(_worker._RUN.servers[config["kill_shard"]], no_restart=True)
+            ray.kill(run_servers()[config["kill_shard"]], no_restart=True)
         opt.step()
         steps_run += 1
         if (step + 1) % config["every"] == 0 or step + 1 == config["steps"]:
@@ -104,9 +115,9 @@ def resumable_loop(config: dict[str, Any]) -> None:
 
 def _server_vs(model: nn.Module, state: dict[str, torch.Tensor]) -> float:
     """Largest difference between the shards' parameters and a checkpoint."""
-    from ray_ps_plugin import _worker
+    from tests.integration.loops import run_servers
 
-    replies = [ray.get(s.pull.remote(1, 0), timeout=30) for s in _worker._RUN.servers]
+    replies = [ray.get(s.pull.remote(0, 1, 0), timeout=30) for s in run_servers()]
     server = torch.from_numpy(np.concatenate([r[0] for r in replies]))
     ckpt = torch.cat([v.reshape(-1) for v in state.values()])
     return (server - ckpt).abs().max().item()

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from ray_ps_plugin import get_ps_context
+from ray_ps_plugin._ray_compat import actor_table
 
 
 class Net(nn.Module):
@@ -145,8 +146,8 @@ def live_shards() -> int:
     """Shard actors that are not dead, cluster-wide (GCS table; no dashboard needed)."""
     return sum(
         1
-        for a in ray._private.state.actors().values()
-        if a["ActorClassName"].endswith("ShardServer") and a["State"] != "DEAD"
+        for a in actor_table()
+        if a["ActorClassName"].endswith("Shard") and a["State"] != "DEAD"
     )
 
 
@@ -167,7 +168,8 @@ def wait_until(pred, timeout_s: float = 20.0) -> bool:
 
 # --- failure injection in the backend -------------------------------------------
 from ray_ps_plugin import PSConfig  # noqa: E402
-from ray_ps_plugin._backend import PSBackend  # noqa: E402
+from ray_ps_plugin._param.shard import ParamShard  # noqa: E402
+from ray_ps_plugin.config import PSBackend  # noqa: E402
 
 
 class _FailAfterServersBackend(PSBackend):
@@ -243,14 +245,14 @@ def shards_per_controller() -> dict[str, Any]:
     A shard's owner is the controller actor that created it, so the actor table's
     owner address tells which run a shard belongs to.
     """
-    alive = [a for a in ray._private.state.actors().values() if a["State"] != "DEAD"]
+    alive = [a for a in actor_table() if a["State"] != "DEAD"]
 
     def addr(a: dict[str, Any], key: str) -> tuple[str, int]:
         return a[key]["IPAddress"], a[key]["Port"]
 
     owners: dict[tuple[str, int], int] = {}
     for a in alive:
-        if a["ActorClassName"].endswith("ShardServer"):
+        if a["ActorClassName"].endswith("Shard"):
             owners[addr(a, "OwnerAddress")] = owners.get(addr(a, "OwnerAddress"), 0) + 1
     controllers = [addr(a, "Address") for a in alive if a["ActorClassName"] == "TrainController"]
     per_controller = sorted(owners.pop(c, 0) for c in controllers)
@@ -261,6 +263,47 @@ def live_reapers() -> int:
     """Placement-group reapers of ray_ps_plugin.tune still alive (each exits with its run)."""
     return sum(
         1
-        for a in ray._private.state.actors().values()
+        for a in actor_table()
         if a["ActorClassName"].endswith("_Reaper") and a["State"] != "DEAD"
     )
+
+
+# --- instrumented shards (test probes live here, not in the product) -----------------
+class LoggedParamShard(ParamShard):
+    """A parameter shard that logs every read: (rank, reader's clock, slowest clock)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._reads: list[tuple[int, int, int]] = []
+
+    def record_read(self, rank: int, clock: int, slowest: int) -> None:
+        self._reads.append((rank, clock, slowest))
+
+    def reads(self) -> list[tuple[int, int, int]]:
+        return list(self._reads)
+
+
+class _LoggedBackend(PSBackend):
+    def shard_class(self, cfg: PSConfig) -> type:
+        return LoggedParamShard if cfg.mode != "sync" else super().shard_class(cfg)
+
+
+class LoggedReadsConfig(PSConfig):
+    """A PSConfig whose async/ssp shards log their reads (see LoggedParamShard)."""
+
+    @property
+    def backend_cls(self) -> type[PSBackend]:
+        return _LoggedBackend
+
+
+def run_servers() -> list[Any]:
+    """The shard actor handles of the current run (inside the training function)."""
+    from ray_ps_plugin import _runtime
+
+    return list(_runtime.current_run().servers)
+
+
+def worker_errors(error: BaseException) -> list[BaseException]:
+    """The exceptions the workers raised, from the error ``Trainer.fit()`` raised."""
+    failures = getattr(error, "worker_failures", None)
+    return list(failures.values()) if failures else [error]

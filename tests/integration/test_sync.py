@@ -5,10 +5,10 @@ import time
 import pytest
 import ray
 import torch
-from ray.train import FailureConfig, RunConfig, ScalingConfig
+from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
 from ray.train.torch import TorchTrainer
 
-from ray_ps_plugin import PSConfig, PSTrainer
+from ray_ps_plugin import PSConfig, PSTimeoutError, PSTrainer
 from tests.integration import loops
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -91,7 +91,7 @@ def test_no_server_or_placement_group_outlives_a_successful_fit(runs):
 
 
 def test_failing_user_function_leaves_nothing_behind(storage):
-    with pytest.raises(Exception, match="user code failed on purpose"):
+    with pytest.raises(TrainingFailedError, match="user code failed on purpose"):
         _fit(PSTrainer, storage, "fail", loop=loops.failing_loop, ps_config=PSConfig())
     assert loops.wait_until(lambda: loops.live_shards() == 0)
     assert loops.wait_until(lambda: loops.live_placement_groups() == 0)
@@ -100,7 +100,7 @@ def test_failing_user_function_leaves_nothing_behind(storage):
 
 def test_a_stalled_worker_fails_in_bounded_time_naming_shard_and_step(storage):
     t0 = time.monotonic()
-    with pytest.raises(Exception, match=r"step 3: server shard\(s\) \[0, 1\]"):
+    with pytest.raises(TrainingFailedError, match=r"step 3: server shard\(s\) \[0, 1\]") as info:
         _fit(
             PSTrainer,
             storage,
@@ -109,6 +109,11 @@ def test_a_stalled_worker_fails_in_bounded_time_naming_shard_and_step(storage):
             config={"stall_s": 60},
             ps_config=PSConfig(ps_timeout_s=3),
         )
+    # The worker's error is the plugin's own timeout, message intact (no
+    # "Unable to cast ... to Tensor" from torch's future machinery).
+    errors = loops.worker_errors(info.value)
+    assert any(isinstance(e, PSTimeoutError) for e in errors), errors
+    assert all("Unable to cast" not in str(e) for e in errors)
     # Failing takes ps_timeout_s plus Ray Train's shutdown (~15 s here); waiting for
     # the stalled worker would take the full 60 s stall.
     assert time.monotonic() - t0 < 45
@@ -116,7 +121,7 @@ def test_a_stalled_worker_fails_in_bounded_time_naming_shard_and_step(storage):
 
 
 def test_failure_in_on_start_leaks_no_actor_or_placement_group(storage):
-    with pytest.raises(Exception, match="injected on_start failure"):
+    with pytest.raises(TrainingFailedError, match="injected on_start failure"):
         _fit(PSTrainer, storage, "onstart", loop=loops.failing_loop,
              ps_config=loops.FailingStartConfig())
     assert loops.wait_until(lambda: loops.live_shards() == 0)

@@ -1,4 +1,4 @@
-"""A fake transport: real ShardServer objects on an in-process event loop, no Ray."""
+"""A fake transport: real shard objects on an in-process event loop, no Ray."""
 
 import asyncio
 import threading
@@ -7,8 +7,9 @@ from concurrent.futures import Future, TimeoutError as FutureTimeout
 import numpy as np
 import torch
 
+from ray_ps_plugin._client import ClientSetup
 from ray_ps_plugin._errors import WaitTimeout
-from ray_ps_plugin._server import ShardServer
+from ray_ps_plugin._param.shard import ParamShard, Reply
 
 
 class LoopThread:
@@ -34,32 +35,66 @@ class LoopThread:
         self._thread.join(5)
 
 
-class FakeTransport:
-    """Drives ShardServer coroutines directly; copies chunks as Ray's put would."""
+def _copy(value):
+    """What Ray's serialisation does to an argument or a reply: a fresh copy."""
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    if isinstance(value, Reply):
+        return Reply(_copy(value.params) if value.params is not None else None, *value[1:])
+    return value
 
-    def __init__(self, loop: LoopThread, servers: list[ShardServer]) -> None:
+
+class FakeTransport:
+    """Drives shard coroutines directly, copying data as Ray would.
+
+    ``hold()`` delays every reply until ``release()``, so a test can see a worker run
+    ahead of its replies. ``silent_shards`` are reported as not answering pings.
+    """
+
+    def __init__(self, loop: LoopThread, servers) -> None:
         self.loop = loop
         self.servers = servers
-        self.submitted: list[tuple[int, int, int, int, int]] = []
+        self.calls: list[tuple] = []
+        self.silent_shards: set[int] = set()
+        self._gate = asyncio.Event()
+        self.loop.loop.call_soon_threadsafe(self._gate.set)
 
-    def submit(self, shard, step, key, rank, chunk):
-        self.submitted.append((shard, step, key, rank, chunk.size))
-        return self.loop.run(self.servers[shard].push_pull(step, key, rank, chunk.copy()))
+    def hold(self) -> None:
+        self.loop.run(self._clear()).result(5)
 
-    def submit_local(self, shard, step, key, rank, dtype, numel):
-        self.submitted.append((shard, step, key, rank, numel))
-        return self.loop.run(self.servers[shard].push_local(step, key, rank, dtype, numel))
+    def release(self) -> None:
+        self.loop.loop.call_soon_threadsafe(self._gate.set)
 
-    def attach(self, shard, rank, inputs, lo, nbytes):
-        return self.servers[shard].attach(rank, inputs, lo, nbytes)
+    async def _clear(self) -> None:
+        self._gate.clear()
+
+    async def _gated(self, coro):
+        result = await coro
+        await self._gate.wait()
+        return _copy(result)
+
+    def call(self, shard, method, *args):
+        self.calls.append((method, shard, *[a.size if isinstance(a, np.ndarray) else a for a in args]))
+        coro = getattr(self.servers[shard], method)(*[_copy(a) for a in args])
+        return self.loop.run(self._gated(coro))
+
+    def attach(self, shard, model, rank, inputs, lo, nbytes):
+        return self.servers[shard].attach(model, rank, inputs, lo, nbytes)
+
+    def done(self, handles) -> bool:
+        return all(h.done() for h in handles)
 
     def wait(self, handles, timeout_s):
         try:
-            # Copy the replies: a real Ray reply is a fresh object-store value.
-            replies = [h.result(timeout=timeout_s) for h in handles]
-            return [None if r is None else np.array(r) for r in replies]
+            return [h.result(timeout=timeout_s) for h in handles]
         except FutureTimeout as e:
             raise WaitTimeout("fake wait timed out") from e
+
+    def silent(self, shards, timeout_s):
+        return [s for s in shards if s in self.silent_shards]
+
+    def pushes(self):
+        return [c for c in self.calls if c[0] in ("push_pull", "push_local")]
 
 
 class FakeBucket:
@@ -75,66 +110,37 @@ class FakeBucket:
         return self._tensor
 
 
-class FakeStaleTransport:
-    """Drives ParamShardServer coroutines directly, with a gate to delay replies.
+class Settings:
+    """A stand-in for PSConfig (the RunSettings protocol)."""
 
-    While ``hold()`` is in force, push_pull replies wait on the loop, which lets a
-    test see a worker run ahead of its replies.
-    """
+    def __init__(self, mode="sync", staleness=0, chunk_bytes=1 << 24, ps_timeout_s=5.0,
+                 nan_policy="raise", compression=None, shared_memory=True):
+        self.mode, self.staleness, self.chunk_bytes = mode, staleness, chunk_bytes
+        self.ps_timeout_s, self.nan_policy = ps_timeout_s, nan_policy
+        self.compression, self.shared_memory = compression, shared_memory
 
-    def __init__(self, loop: LoopThread, servers) -> None:
-        self.loop = loop
-        self.servers = servers
-        self.calls: list[tuple] = []
-        self._gate = asyncio.Event()
-        self.loop.loop.call_soon_threadsafe(self._gate.set)
 
-    def hold(self) -> None:
-        self.loop.run(self._clear()).result(5)
+def setup_for(module, rank, world, num_shards, settings, local=(), remote=frozenset(), model_id=0):
+    """A ClientSetup for ``module`` as the runtime would build it."""
+    return ClientSetup(
+        model_id=model_id,
+        module=module,
+        params=tuple(p for p in module.parameters() if p.requires_grad),
+        rank=rank,
+        world_size=world,
+        num_shards=num_shards,
+        settings=settings,
+        local_shards=tuple(local),
+        remote_shards=frozenset(remote),
+    )
 
-    def release(self) -> None:
-        self.loop.loop.call_soon_threadsafe(self._gate.set)
 
-    async def _clear(self) -> None:
-        self._gate.clear()
+class LoggedParamShard(ParamShard):
+    """A ParamShard that logs every read (rank, reader's clock, slowest clock)."""
 
-    async def _gated(self, coro):
-        await self._gate.wait()
-        arr, clocks, slowest = await coro
-        return (None if arr is None else arr.copy()), clocks, slowest
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.reads: list[tuple[int, int, int]] = []
 
-    def init(self, shard, params):
-        self.calls.append(("init", shard, params.size))
-        return self.loop.run(self.servers[shard].init(params.copy()))
-
-    def push_pull(self, shard, rank, clock, delta):
-        self.calls.append(("push_pull", shard, rank, clock, delta.size))
-        return self.loop.run(self._gated(self.servers[shard].push_pull(rank, clock, delta.copy())))
-
-    def pull(self, shard, rank, clock):
-        self.calls.append(("pull", shard, rank, clock))
-        return self.loop.run(self._gated(self.servers[shard].pull(rank, clock)))
-
-    def finish(self, shard, rank):
-        self.calls.append(("finish", shard, rank))
-        return self.loop.run(self.servers[shard].finish(rank))
-
-    def attach(self, shard, rank, inputs, outputs):
-        self.servers[shard].attach(rank, inputs, outputs)
-
-    def push_local(self, shard, rank, clock, slot):
-        self.calls.append(("push_local", shard, rank, clock, slot))
-        return self.loop.run(self._gated(self.servers[shard].push_local(rank, clock, slot)))
-
-    def pull_local(self, shard, rank, clock, slot):
-        self.calls.append(("pull_local", shard, rank, clock, slot))
-        return self.loop.run(self._gated(self.servers[shard].pull_local(rank, clock, slot)))
-
-    def done(self, handles) -> bool:
-        return all(h.done() for h in handles)
-
-    def wait(self, handles, timeout_s):
-        try:
-            return [h.result(timeout=timeout_s) for h in handles]
-        except FutureTimeout as e:
-            raise WaitTimeout("fake wait timed out") from e
+    def record_read(self, rank: int, clock: int, slowest: int) -> None:
+        self.reads.append((rank, clock, slowest))

@@ -6,12 +6,11 @@ import time
 import pytest
 import torch
 
-from ray_ps_plugin._codec import Codec
-from ray_ps_plugin._layout import StreamLayout
-from ray_ps_plugin._server import ShardServer
-from ray_ps_plugin._worker import PSClient, PSTimeoutError, open_lanes
+from ray_ps_plugin._errors import PSError, PSTimeoutError
+from ray_ps_plugin._sync.client import SumClient
+from ray_ps_plugin._sync.shard import SumShard
 
-from tests.unit.fakes import FakeBucket, FakeTransport, LoopThread
+from tests.unit.fakes import FakeBucket, FakeTransport, LoopThread, Settings, setup_for
 
 
 @pytest.fixture
@@ -21,23 +20,28 @@ def loop():
     lt.stop()
 
 
+def _module(numel):
+    """A model whose gradient stream is ``numel`` float32 elements."""
+    m = torch.nn.Module()
+    m.w = torch.nn.Parameter(torch.zeros(numel))
+    return m
+
+
 def _clients(
-    loop, world_size, num_servers, total_bytes, chunk_bytes, timeout_s=5.0, local=lambda r, s: False
+    loop, world_size, num_servers, total_bytes, chunk_bytes, timeout_s=5.0,
+    local=lambda r, s: False, compression=None, transport_cls=FakeTransport,
 ):
     """Clients of fake shards; ``local(rank, shard)`` says which pairs share memory."""
-    servers = [ShardServer(i, world_size, timeout_s) for i in range(num_servers)]
-    transport = FakeTransport(loop, servers)
-    layout = StreamLayout(total_bytes, num_servers, chunk_bytes)
+    servers = [SumShard(i, world_size, timeout_s, compression) for i in range(num_servers)]
+    transport = transport_cls(loop, servers)
+    settings = Settings(chunk_bytes=chunk_bytes, ps_timeout_s=timeout_s, compression=compression)
     clients = [
-        PSClient(
-            transport,
-            layout,
-            r,
-            world_size,
-            timeout_s,
-            lanes=open_lanes(
-                transport, [s for s in range(num_servers) if local(r, s)], layout, r
+        SumClient.build(
+            setup_for(
+                _module(total_bytes // 4), r, world_size, num_servers, settings,
+                local=[s for s in range(num_servers) if local(r, s)],
             ),
+            transport,
         )
         for r in range(world_size)
     ]
@@ -84,7 +88,8 @@ def test_buckets_come_back_as_the_mean_over_workers(loop, local):
     stats = clients[0].snapshot()
     assert stats.steps == 1 and stats.bytes_pushed == total and stats.bytes_pulled == total
     assert abs(stats.bytes_pushed_per_shard[0] - stats.bytes_pushed_per_shard[1]) <= 2048
-    assert all(size * 4 <= 2048 for *_, size in transport.submitted)
+    assert all(c[-1] * 4 <= 2048 if c[0] == "push_local" else c[-2] * 4 <= 2048
+               for c in transport.pushes())
     for c in clients:
         c.close()
 
@@ -97,22 +102,11 @@ def test_shared_memory_sums_stay_right_while_workers_race_ahead(loop, compressio
     and local and object-store workers must receive bit-identical sums."""
     world, steps, numels = 2, 6, [700, 2500]
     total = sum(numels) * 4
-    servers = [ShardServer(i, world, 5.0, compression) for i in range(2)]
-    transport = FakeTransport(loop, servers)
-    layout = StreamLayout(total, 2, 1024)
-    codec = Codec(compression)
-    clients = [  # rank 0 shares memory with both shards, rank 1 with none or both
-        PSClient(
-            transport,
-            layout,
-            r,
-            world,
-            5.0,
-            codec=codec,
-            lanes=open_lanes(transport, [] if r == 1 and remote_rank1 else [0, 1], layout, r),
-        )
-        for r in range(world)
-    ]
+    # rank 0 shares memory with both shards, rank 1 with none or both
+    clients, _ = _clients(
+        loop, world, num_servers=2, total_bytes=total, chunk_bytes=1024,
+        compression=compression, local=lambda r, s: not (r == 1 and remote_rank1),
+    )
     gen = torch.Generator().manual_seed(0)
     grads = [[[torch.randn(n, generator=gen) for n in numels] for _ in range(world)] for _ in range(steps)]
     results: dict[int, list[list[torch.Tensor]]] = {r: [] for r in range(world)}
@@ -147,35 +141,81 @@ def test_bucket_index_zero_opens_a_new_step(loop):
     for _ in range(3):
         c.hook(None, FakeBucket(0, torch.ones(10))).wait()
     assert c.snapshot().steps == 3
-    assert [step for _, step, *_ in transport.submitted] == [1, 2, 3]
+    assert [c[3] for c in transport.pushes()] == [1, 2, 3]  # (method, shard, model, step, ...)
     c.close()
 
 
-def test_a_silent_peer_fails_backward_with_shard_and_step(loop):
+def test_a_silent_peer_fails_the_step_with_the_real_error_not_a_hang(loop):
+    """The future completes (DDP never waits forever); the PSTimeoutError itself is
+    kept and raised, message intact, before the optimizer can step on the sum."""
     clients, _ = _clients(loop, 2, num_servers=2, total_bytes=80, chunk_bytes=1024, timeout_s=0.2)
     fut = clients[0].hook(None, FakeBucket(0, torch.ones(20)))
-    with pytest.raises(Exception, match=r"step 1: server shard\(s\) \[0, 1\].*ps_timeout_s") as info:
-        fut.wait()
-    assert "PSTimeoutError" in repr(info.value) or isinstance(info.value, PSTimeoutError)
+    fut.wait()
+    with pytest.raises(PSTimeoutError, match=r"step 1: server shard\(s\) \[0, 1\] did not answer"):
+        clients[0].before_step()
+    with pytest.raises(PSTimeoutError):  # and again: the run is broken
+        clients[0].before_forward()
     for c in clients:
         c.close()
 
 
-def test_a_bad_reply_fails_the_future_instead_of_killing_the_thread(loop):
-    """A reply of the wrong size must surface in backward, and later buckets still work."""
+def test_a_stopped_shard_is_named_as_the_one_not_answering(loop):
+    clients, transport = _clients(
+        loop, 2, num_servers=2, total_bytes=80, chunk_bytes=1024, timeout_s=0.2
+    )
+    transport.silent_shards = {1}
+    clients[0].hook(None, FakeBucket(0, torch.ones(20))).wait()
+    with pytest.raises(PSTimeoutError, match=r"server shard\(s\) \[1\] did not answer.*stopped answering pings"):
+        clients[0].before_step()
+    for c in clients:
+        c.close()
+
+
+def test_a_bad_reply_is_raised_and_the_thread_survives(loop):
+    """A reply of the wrong size must surface as a PSError, and later buckets still work."""
     import numpy as np
 
     class BadOnce(FakeTransport):
-        calls = 0
+        waits = 0
 
         def wait(self, handles, timeout_s):
-            BadOnce.calls += 1
+            BadOnce.waits += 1
             out = super().wait(handles, timeout_s)
-            return [np.zeros(3, np.float32)] if BadOnce.calls == 1 else out
+            return [np.zeros(3, np.float32)] if BadOnce.waits == 1 else out
 
-    servers = [ShardServer(0, 1, 5.0)]
-    c = PSClient(BadOnce(loop, servers), StreamLayout(40, 1, 1024), 0, 1, 5.0)
-    with pytest.raises(Exception, match=r"rank 0: step 1: server shard\(s\) \[0\] failed"):
-        c.hook(None, FakeBucket(0, torch.ones(10))).wait()
+    (c,), _ = _clients(loop, 1, 1, 40, 1024, transport_cls=BadOnce)
+    c.hook(None, FakeBucket(0, torch.ones(10))).wait()
+    with pytest.raises(PSError, match=r"rank 0: model 0: step 1: server shard\(s\) \[0\] failed"):
+        c.raise_pending()
+    # The comm thread lives on: the next bucket is summed.
+    c._error = None
     torch.testing.assert_close(c.hook(None, FakeBucket(0, torch.ones(10))).wait(), torch.ones(10))
     c.close()
+
+
+def test_an_empty_bucket_completes_at_once(loop):
+    (c,), transport = _clients(loop, 1, 1, 40, 1024)
+    fut = c.hook(None, FakeBucket(0, torch.ones(0)))
+    assert fut.done() and fut.wait().numel() == 0 and transport.pushes() == []
+    c.close()
+
+
+def test_two_models_with_equal_shapes_never_mix_their_sums(loop):
+    """Each prepared model has its own keys on the shards."""
+    servers = [SumShard(0, 2, 5.0)]
+    transport = FakeTransport(loop, servers)
+    settings = Settings(chunk_bytes=1024)
+    clients = {
+        (r, m): SumClient.build(setup_for(_module(10), r, 2, 1, settings, model_id=m), transport)
+        for r in range(2) for m in range(2)
+    }
+    futs = {
+        (r, m): clients[r, m].hook(None, FakeBucket(0, torch.full((10,), float(10 * m + r + 1))))
+        for r in range(2) for m in range(2)
+    }
+    for m in range(2):
+        expected = torch.full((10,), (10 * m + 1 + 10 * m + 2) / 2)
+        for r in range(2):
+            torch.testing.assert_close(futs[r, m].wait(), expected)
+    for c in clients.values():
+        c.close()

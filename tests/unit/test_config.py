@@ -7,7 +7,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.torch.config import TorchConfigContextManager, _TorchBackend
 
 from ray_ps_plugin import PSConfig, PSTrainer
-from ray_ps_plugin._backend import PSBackend
+from ray_ps_plugin.config import PSBackend
 
 
 def test_defaults_are_sync_ps_and_a_torch_config():

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from ray_ps_plugin._layout import StreamLayout
+from ray_ps_plugin._sync.layout import StreamLayout
 
 
 def _cut_stream(layout: StreamLayout, bucket_numels: list[int], itemsize: int):
@@ -57,10 +57,14 @@ def test_same_stream_gives_same_cuts_whatever_the_bucket_order():
     assert loads[0] == loads[1] == loads[2]
 
 
-def test_cut_respects_element_boundaries_for_odd_itemsize():
+def test_cuts_fall_on_element_boundaries_where_shard_bounds_do_not():
+    # 42 bytes over 4 shards: bounds at 10, 21, 31 bytes, inside 2-byte elements.
     layout = StreamLayout(total_bytes=3 * 2 * 7, num_shards=4, chunk_bytes=1024)
-    pieces = _cut_stream(layout, [7, 7, 7], 2)
-    assert sum(p.numel for p, _ in pieces) == 21
+    assert any(b % 2 for b in layout.bounds)
+    for p, offset in _cut_stream(layout, [7, 7, 7], 2):
+        assert (p.key - offset) % 2 == 0 and p.key == offset + 2 * p.start
+        # The chunk goes to the shard owning its first byte.
+        assert layout.bounds[p.shard] <= p.key < layout.bounds[p.shard + 1]
 
 
 def test_bucket_outside_stream_is_a_clear_error():
@@ -83,7 +87,7 @@ def test_bad_sizes_raise(kwargs):
 
 
 def test_too_many_chunks_per_shard_is_refused_with_the_fix():
-    from ray_ps_plugin._worker import check_concurrency
+    from ray_ps_plugin._sync.client import check_concurrency
 
     check_concurrency(StreamLayout(23_000_000, 2, 16 << 20), world_size=2)
     with pytest.raises(ValueError, match="Raise chunk_bytes"):

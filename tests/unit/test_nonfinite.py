@@ -7,7 +7,7 @@ import torch
 
 from ray_ps_plugin._errors import PSError
 from ray_ps_plugin._nonfinite import NonFiniteGuard
-from ray_ps_plugin._worker import check_supported
+from ray_ps_plugin._ddp import check_supported
 
 
 def _model_with_grads(bad: bool):
@@ -38,8 +38,16 @@ def test_skip_drops_the_gradients_so_the_optimizer_changes_nothing(caplog):
 
 
 def test_finite_gradients_pass_and_ignore_never_checks():
-    NonFiniteGuard("raise", 0, list(_model_with_grads(False).parameters()), True).before_step(1)
-    NonFiniteGuard("ignore", 0, list(_model_with_grads(True).parameters()), True).before_step(1)
+    fine = _model_with_grads(False)
+    guard = NonFiniteGuard("raise", 0, list(fine.parameters()), True)
+    guard.before_step(1)
+    assert guard.skipped == 0 and fine.bias.grad is not None
+    bad = _model_with_grads(True)
+    ignoring = NonFiniteGuard("ignore", 0, list(bad.parameters()), True)
+    ignoring.flag(1)
+    ignoring.before_step(1)
+    # Nothing dropped: the NaN gradient reaches the optimizer, as under DDP.
+    assert ignoring.skipped == 0 and torch.isnan(bad.bias.grad).any()
 
 
 def test_sync_mode_acts_on_the_flag_from_the_comm_thread():
@@ -50,6 +58,17 @@ def test_sync_mode_acts_on_the_flag_from_the_comm_thread():
     with pytest.raises(PSError, match="summed over all workers"):
         guard.before_step(2)
     guard.before_step(3)  # the flag is consumed
+
+
+def test_a_flag_belongs_to_its_step_only():
+    """GradScaler skips optimizer.step() on an overflowed step: its flag must not
+    fail or drop the next, finite step."""
+    m = _model_with_grads(bad=False)
+    for policy in ("raise", "skip"):
+        guard = NonFiniteGuard(policy, 0, list(m.parameters()), check_local=False)
+        guard.flag(4)  # the sum of step 4 overflowed; the optimizer never stepped on it
+        guard.before_step(5)
+        assert guard.skipped == 0 and m.weight.grad is not None
 
 
 def test_owns_only_optimizers_of_its_parameters():
@@ -77,6 +96,8 @@ def test_bfloat16_parameters_are_refused_with_the_fix():
 def test_all_finite_sees_nan_and_inf_in_tensors_and_arrays():
     from ray_ps_plugin._nonfinite import all_finite
 
+    big = torch.full((1000,), 60000.0, dtype=torch.float16)  # sums past fp16's max
+    assert all_finite(big) and all_finite(big.numpy())
     x = torch.zeros(1000)
     assert all_finite(x) and all_finite(x.numpy())
     x[500] = float("inf")

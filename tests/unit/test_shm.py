@@ -49,3 +49,14 @@ def test_a_shard_that_cannot_be_attached_falls_back_with_a_warning(caplog):
     assert lanes == {0: "lane 0"}
     assert "rank 3: no shared memory with shard 1 (permission denied)" in caplog.text
     assert created_here[1].bytes.size == 0  # the failed shard's segment was released
+
+
+def test_a_handle_naming_another_file_is_refused():
+    """A reused pid/fd must not pass for the segment: identity is checked."""
+    import dataclasses
+
+    seg = Segment.create(64)
+    forged = dataclasses.replace(seg.handle, ino=seg.handle.ino + 1)
+    with pytest.raises(OSError, match="not the file found there"):
+        Segment.open(forged)
+    seg.close()

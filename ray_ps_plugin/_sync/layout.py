@@ -23,6 +23,7 @@ within a step.
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass
 
 __all__ = ["Piece", "StreamLayout"]
@@ -82,8 +83,7 @@ class StreamLayout:
         """Returns the shard that owns the stream byte at ``byte_offset``."""
         if not 0 <= byte_offset < self.total_bytes:
             raise ValueError(
-                f"byte offset {byte_offset} is outside the gradient stream "
-                f"[0, {self.total_bytes})."
+                f"byte offset {byte_offset} is outside the gradient stream [0, {self.total_bytes})."
             )
         return bisect.bisect_right(self.bounds, byte_offset) - 1
 
@@ -149,7 +149,7 @@ class StreamLayout:
                 start=a,
                 stop=b,
             )
-            for a, b in zip(edges, edges[1:])
+            for a, b in itertools.pairwise(edges)
         )
         self._cache[cache_key] = pieces
         return pieces

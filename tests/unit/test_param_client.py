@@ -1,4 +1,4 @@
-"""StaleClient (async/ssp worker side) against real ParamShardServers, no Ray."""
+"""ParamClient (async/ssp worker side) against real ParamShards, no Ray."""
 
 import logging
 import threading
@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from ray_ps_plugin._errors import PSTimeoutError
-from ray_ps_plugin._param_server import ParamShardServer
-from ray_ps_plugin._stale import StaleClient, _pieces, open_stale_lanes, split_bounds
+from ray_ps_plugin._param.client import ParamClient
+from ray_ps_plugin._param.layout import pieces as _pieces, split_bounds
 
-from tests.unit.fakes import FakeStaleTransport, LoopThread
+from tests.unit.fakes import FakeTransport, LoggedParamShard, LoopThread, Settings, setup_for
 
 
 @pytest.fixture
@@ -31,22 +31,22 @@ def _models(world, seed=0):
     return models
 
 
-def _setup(loop, world, shards, staleness, timeout_s=5.0, shared=False):
+def _setup(loop, world, shards, staleness, timeout_s=5.0, shared=False, models=None):
     """Real shards on a fake transport; ``shared``: every worker uses shared memory."""
-    servers = [ParamShardServer(i, world, staleness, timeout_s) for i in range(shards)]
-    transport = FakeStaleTransport(loop, servers)
-    models = _models(world)
-    clients = []
-    for r, m in enumerate(models):
-        params = list(m.parameters())
-        bounds = split_bounds(sum(p.numel() for p in params), shards)
-        sizes = [(b - a) * 4 for a, b in zip(bounds, bounds[1:])]
-        lanes = open_stale_lanes(transport, range(shards), sizes, r) if shared else {}
-        clients.append(
-            StaleClient(transport, params, shards, r, world, staleness, timeout_s, lanes=lanes)
+    servers = [LoggedParamShard(i, world, staleness, timeout_s) for i in range(shards)]
+    transport = FakeTransport(loop, servers)
+    models = models or _models(world)
+    mode = "async" if staleness is None else "ssp"
+    settings = Settings(mode=mode, staleness=staleness or 0, ps_timeout_s=timeout_s)
+    clients = [
+        ParamClient.build(
+            setup_for(m, r, world, shards, settings, local=range(shards) if shared else ()),
+            transport,
         )
+        for r, m in enumerate(models)
+    ]
     for c in clients:
-        c.start()
+        c._start()
     return servers, transport, models, clients
 
 
@@ -112,7 +112,9 @@ def test_async_worker_runs_ahead_on_its_own_copy_and_catches_up(loop, shared):
     torch.testing.assert_close(_flat(model), local)
     transport.release()
     client._inflight.handles[0].result(5)  # the reply is back now
-    client.before_forward()
+    client.before_forward()  # a second forward of the same step changes nothing
+    torch.testing.assert_close(_flat(model), local)
+    client.flush()
     # Installed: the shard's parameters hold half of this worker's step (1/W).
     start = _flat(_models(1)[0])
     torch.testing.assert_close(_flat(model), start + (local - start) / 2)
@@ -162,7 +164,7 @@ def test_ssp_waits_for_the_slowest_and_records_no_gap_beyond_the_bound(loop):
     blocked.join(5)
     assert not blocked.is_alive()
     assert clients[0].snapshot().staleness_max <= 1
-    assert all(c - m <= 1 for _, c, m in servers[0].reads())
+    assert servers[0].reads and all(c - m <= 1 for _, c, m in servers[0].reads)
 
 
 def test_ssp_wait_is_bounded_and_names_the_rank(loop):
@@ -170,21 +172,38 @@ def test_ssp_wait_is_bounded_and_names_the_rank(loop):
     opt = torch.optim.SGD(models[0].parameters(), lr=0.1)
     x, y = torch.randn(4, 5), torch.randn(4, 3)
     _sgd_step(models[0], opt, clients[0], x, y)
-    with pytest.raises(PSTimeoutError, match="rank 0: clock 1"):
+    with pytest.raises(PSTimeoutError, match="rank 0: model 0: clock 1"):
         clients[0].before_forward()
 
 
 def test_only_optimizers_of_the_model_trigger_a_push(loop):
-    _, _, models, clients = _setup(loop, 1, shards=1, staleness=None)
-    mine = torch.optim.SGD(models[0].parameters(), lr=0.1)
-    other = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
-    assert clients[0].owns(mine) and not clients[0].owns(other)
+    """Through the real process-wide optimizer hooks: stepping another model's
+    optimizer sends nothing; stepping this model's sends one push per shard."""
+    from ray_ps_plugin import _runtime
+
+    _, transport, models, clients = _setup(loop, 1, shards=2, staleness=None)
+    _runtime.register(clients[0])
+    _runtime.ensure_optimizer_hooks()
+    try:
+        other = torch.nn.Linear(2, 2)
+        other(torch.randn(3, 2)).sum().backward()
+        torch.optim.SGD(other.parameters(), lr=0.1).step()
+        assert transport.pushes() == []
+        mine = torch.optim.SGD(models[0].parameters(), lr=0.1)
+        models[0](torch.randn(4, 5)).sum().backward()
+        mine.step()
+        assert [(c[0], c[1]) for c in transport.pushes()] == [("push_pull", 0), ("push_pull", 1)]
+    finally:
+        _runtime.remove_optimizer_hooks()
+        _runtime._CLIENTS.clear()
 
 
 def test_mixed_dtypes_are_refused_with_the_fix(loop):
-    params = [torch.zeros(2, requires_grad=True), torch.zeros(2, dtype=torch.float64)]
+    model = torch.nn.Module()
+    model.a = torch.nn.Parameter(torch.zeros(2))
+    model.b = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
     with pytest.raises(TypeError, match="single floating dtype.*model.float"):
-        StaleClient(FakeStaleTransport(loop, []), params, 1, 0, 1, None, 1.0)
+        ParamClient.build(setup_for(model, 0, 1, 1, Settings(mode="async")), FakeTransport(loop, []))
 
 
 def test_forward_without_optimizer_step_warns_at_finish(loop, caplog):
@@ -208,6 +227,6 @@ def test_pieces_cut_parameters_at_shard_bounds():
 
 def test_gpu_staging_offsets_count_empty_parameters(loop):
     # An empty parameter has no piece; the offsets must still line up with the list.
-    params = [torch.zeros(3), torch.zeros(0), torch.zeros(2)]
-    client = StaleClient(FakeStaleTransport(loop, []), params, 1, 0, 1, None, 5.0)
+    model = torch.nn.ParameterList([torch.zeros(3), torch.zeros(0), torch.zeros(2)])
+    client = ParamClient.build(setup_for(model, 0, 1, 1, Settings(mode="async")), FakeTransport(loop, []))
     assert client._offsets[:3] == [0, 3, 3]

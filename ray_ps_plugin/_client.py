@@ -1,0 +1,211 @@
+"""What the worker clients of every mode share: set-up, checks, errors, counters.
+
+A client serves one prepared model on one worker. The mode decides how it talks
+to the shards (:mod:`ray_ps_plugin._sync.client`, :mod:`ray_ps_plugin._param.client`);
+this base holds what does not depend on the mode: the NaN/Inf guard, the check that
+the set of trainable parameters has not changed since ``prepare_model``, the error
+kept from a failed background round, and the :class:`~ray_ps_plugin.PSStats`
+counters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ray_ps_plugin._metrics import WorkerMetrics
+from ray_ps_plugin._nonfinite import NonFiniteGuard
+from ray_ps_plugin._stats import PSStats
+from ray_ps_plugin._types import RunSettings
+
+if TYPE_CHECKING:
+    from torch.nn.parallel import DistributedDataParallel
+
+__all__ = ["ClientBase", "ClientSetup", "ModelHook"]
+
+
+@dataclass(frozen=True)
+class ClientSetup:
+    """Everything a client needs to know about its model, its worker and the run.
+
+    Attributes:
+        model_id: The prepared model's id on the shards: the order in which this
+            worker prepared it (the same on every worker, as DDP requires).
+        module: The user's model.
+        params: Its trainable parameters, in ``module.parameters()`` order.
+        rank: This worker's world rank.
+        world_size: Number of workers.
+        num_shards: Number of shards.
+        settings: The run's PSConfig.
+        local_shards: Shards this worker reaches through shared memory.
+        remote_shards: Shards on other nodes (their traffic crosses the network).
+        metrics: Exports the counters through ``ray.util.metrics``, if available.
+    """
+
+    model_id: int
+    module: torch.nn.Module
+    params: tuple[torch.Tensor, ...]
+    rank: int
+    world_size: int
+    num_shards: int
+    settings: RunSettings
+    local_shards: tuple[int, ...] = ()
+    remote_shards: frozenset[int] = frozenset()
+    metrics: WorkerMetrics | None = None
+
+
+def _trainable_flags(module: torch.nn.Module) -> tuple[tuple[str, bool], ...]:
+    return tuple((name, p.requires_grad) for name, p in module.named_parameters())
+
+
+class ClientBase:
+    """The mode-independent half of a worker client.
+
+    Args:
+        setup: The model, its worker and the run.
+        num_shards: Number of shards (sizes the per-shard counters).
+        check_local: Whether the NaN/Inf guard inspects local gradients (async/ssp)
+            rather than flags raised on the summed ones (sync).
+    """
+
+    def __init__(self, setup: ClientSetup, num_shards: int, check_local: bool) -> None:
+        self.setup = setup
+        self.model_id = setup.model_id
+        self.rank = setup.rank
+        self.world_size = setup.world_size
+        self.settings = setup.settings
+        self.remote_shards = setup.remote_shards
+        self.guard = NonFiniteGuard(
+            setup.settings.nan_policy, setup.rank, setup.params, check_local
+        )
+        self._metrics = setup.metrics
+        self._lock = threading.Lock()
+        self._stats = PSStats(bytes_pushed_per_shard=[0] * num_shards)
+        self._error: BaseException | None = None
+        self._trainable = _trainable_flags(setup.module)
+
+    # --- the contract with the runtime (optimizer hooks, forward, context exit) ---
+    def bind(self, ddp: DistributedDataParallel) -> None:
+        """Connects the client to the DDP object that wraps its model."""
+        raise NotImplementedError
+
+    def owns(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer`` steps any of this model's trainable parameters."""
+        return self.guard.owns(optimizer)
+
+    @property
+    def next_step(self) -> int:
+        """The step (sync round or clock) the next optimizer step applies."""
+        raise NotImplementedError
+
+    @property
+    def shared_memory_shards(self) -> tuple[int, ...]:
+        """Shards reached through shared memory, in index order."""
+        raise NotImplementedError
+
+    def before_forward(self) -> None:
+        """Called before each forward pass of the model."""
+        self.raise_pending()
+
+    def before_step(self) -> None:
+        """Called before an optimizer that owns the model steps."""
+        self.raise_pending()
+        self.check_trainable()
+        self.guard.before_step(self.next_step)
+
+    def after_step(self) -> None:
+        """Called after an optimizer that owns the model stepped."""
+
+    def flush(self) -> None:
+        """Waits until this worker's updates are applied on every shard."""
+        self.raise_pending()
+
+    def finish(self) -> None:
+        """Called once when the training function returns."""
+        self.raise_pending()
+
+    def close(self) -> None:
+        """Releases threads and shared memory (never raises)."""
+
+    # --- shared mechanics ----------------------------------------------------------
+    def fail(self, error: BaseException) -> None:
+        """Keeps the first error of a background round for :meth:`raise_pending`."""
+        with self._lock:
+            if self._error is None:
+                self._error = error
+
+    def raise_pending(self) -> None:
+        """Raises a kept error; every later call raises it again (the run is broken)."""
+        with self._lock:
+            error = self._error
+        if error is not None:
+            raise error
+
+    def check_trainable(self) -> None:
+        """Refuses a change of ``requires_grad`` since ``prepare_model``.
+
+        The shards hold exactly the parameters that were trainable when the model
+        was prepared; a parameter unfrozen later would train on each worker alone,
+        silently out of sync.
+
+        Raises:
+            ValueError: Naming the parameter and the fix.
+        """
+        now = _trainable_flags(self.setup.module)
+        if now == self._trainable:
+            return
+        changed = [n for (n, a), (_, b) in zip(self._trainable, now) if a != b] or ["(layout)"]
+        raise ValueError(
+            f"rank {self.rank}: parameter(s) {changed[:3]} changed requires_grad after "
+            "prepare_model(); the parameter servers synchronise exactly the parameters "
+            "that were trainable when the model was prepared. Set requires_grad before "
+            "prepare_model(), and freeze a parameter mid-run by leaving it out of the "
+            "optimizer instead, or use PSConfig(strategy='ddp')."
+        )
+
+    def _count_push(self, shard: int, nbytes: int) -> None:
+        """Adds a push to the counters (the caller holds ``_lock``)."""
+        self._stats.bytes_pushed += nbytes
+        self._stats.bytes_pushed_per_shard[shard] += nbytes
+        if shard in self.remote_shards:
+            self._stats.bytes_cross_node += nbytes
+
+    def snapshot(self) -> PSStats:
+        """A copy of the counters, safe to read from any thread."""
+        with self._lock:
+            return dataclasses.replace(
+                self._stats,
+                bytes_pushed_per_shard=list(self._stats.bytes_pushed_per_shard),
+                clocks=list(self._stats.clocks),
+                skipped_steps=self.guard.skipped,
+            )
+
+
+class ModelHook:
+    """A module hook that calls its client back, for the module it was made for only.
+
+    Copies of the module (``copy.deepcopy``, ``pickle``, ``torch.save``) copy their
+    hooks; such a copy gets an inert hook, so it never reaches the shards, and the
+    hook itself pickles.
+
+    Args:
+        module: The prepared model's module.
+        callback: What to run when the hook fires for that module.
+    """
+
+    def __init__(self, module: torch.nn.Module | None, callback: Callable[[], None] | None) -> None:
+        self._module = weakref.ref(module) if module is not None else None
+        self._callback = callback
+
+    def __call__(self, module: torch.nn.Module, *args: object) -> None:
+        if self._callback is not None and self._module is not None and module is self._module():
+            self._callback()
+
+    def __reduce__(self) -> tuple[type[ModelHook], tuple[None, None]]:
+        return (ModelHook, (None, None))

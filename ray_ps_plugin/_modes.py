@@ -1,0 +1,57 @@
+"""The one table from a consistency mode to its shard actor and its worker client.
+
+Everything mode-specific is chosen here, once: the backend asks which actor to start
+and with which arguments; the worker asks which client serves a prepared model and
+whether DDP's own reducer stays in the forward pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ray_ps_plugin._client import ClientBase, ClientSetup
+from ray_ps_plugin._param.client import ParamClient
+from ray_ps_plugin._param.shard import ParamShard
+from ray_ps_plugin._shard import ShardBase
+from ray_ps_plugin._sync.client import SumClient
+from ray_ps_plugin._sync.shard import SumShard
+from ray_ps_plugin._transport import Transport
+from ray_ps_plugin._types import Mode, RunSettings, staleness_bound
+
+__all__ = ["MODE_SPECS", "ModeSpec"]
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    """What one consistency mode is made of.
+
+    Attributes:
+        shard_cls: The shard actor's class (wrapped with ``ray.remote`` by the backend).
+        shard_args: Constructor arguments after ``(shard_index, num_workers)``.
+        build_client: Builds the worker client of one prepared model.
+        uses_reducer: Whether DDP's reducer runs (sync: its buckets feed the shards)
+            or forward calls the module directly (async/ssp own the parameters).
+    """
+
+    shard_cls: type[ShardBase]
+    shard_args: Callable[[RunSettings], tuple[Any, ...]]
+    build_client: Callable[[ClientSetup, Transport], ClientBase]
+    uses_reducer: bool
+
+
+_SUM = ModeSpec(
+    shard_cls=SumShard,
+    shard_args=lambda cfg: (cfg.ps_timeout_s, cfg.compression),
+    build_client=SumClient.build,
+    uses_reducer=True,
+)
+_PARAM = ModeSpec(
+    shard_cls=ParamShard,
+    shard_args=lambda cfg: (staleness_bound(cfg), cfg.ps_timeout_s, cfg.compression),
+    build_client=ParamClient.build,
+    uses_reducer=False,
+)
+
+MODE_SPECS: dict[Mode, ModeSpec] = {"sync": _SUM, "async": _PARAM, "ssp": _PARAM}

@@ -1,0 +1,426 @@
+"""The async/ssp worker client: keeps one model in step with the parameter shards.
+
+One step of a worker, top to bottom:
+
+1. ``model(x)``: before the first forward pass of a step the worker installs the
+   newest parameters the shards have sent, if they are already back; it blocks only
+   when the staleness bound demands fresher ones (``"ssp"``), never in ``"async"``.
+   Later forward passes of the same step (two forwards before one backward) never
+   change the parameters under autograd's feet.
+2. ``loss.backward()`` and ``optimizer.step()`` run locally, unchanged: the user's
+   optimizer (momentum, Adam state, learning-rate schedule) steps the worker's copy.
+3. Right before ``optimizer.step()`` a global optimizer hook snapshots the
+   parameters; right after it, another takes the difference (the *delta*: what the
+   optimizer changed) and sends each shard its slice in one non-blocking
+   ``push_pull`` that also brings back the shard's current parameters. A colocated
+   shard gets the delta through shared memory and answers in it.
+
+At most one round trip per worker is in flight: the next push first waits for the
+previous one (with a timeout), so a fast worker cannot queue unbounded work on the
+shards and every update is confirmed before the one after it is sent.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ray_ps_plugin._client import ClientBase, ClientSetup, ModelHook
+from ray_ps_plugin._codec import Codec
+from ray_ps_plugin._param.layout import pieces, single_dtype, split_bounds
+from ray_ps_plugin._param.shard import Reply
+from ray_ps_plugin._shm import Segment
+from ray_ps_plugin._transport import Lane, Transport, open_lanes, wait_all
+from ray_ps_plugin._types import staleness_bound
+
+if TYPE_CHECKING:
+    from torch.nn.parallel import DistributedDataParallel
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ParamClient"]
+
+
+@dataclass
+class _InFlight:
+    clock: int
+    handles: list[Any]
+    started: float
+
+
+class ParamClient(ClientBase):
+    """Keeps one worker's model in step with the parameter shards (async / ssp).
+
+    Args:
+        setup: The model, its worker and the run (see :class:`ClientSetup`).
+        transport: How calls reach the shards.
+
+    Raises:
+        TypeError: If the trainable parameters are not all of one floating dtype.
+    """
+
+    def __init__(self, setup: ClientSetup, transport: Transport) -> None:
+        super().__init__(setup, setup.num_shards, check_local=True)
+        self._codec = Codec(setup.settings.compression)
+        self._staleness = staleness_bound(setup.settings)
+        self._transport = transport
+        self._params = list(setup.params)
+        dtype = single_dtype(self._params)
+        numel = sum(p.numel() for p in self._params)
+        self._bounds = split_bounds(numel, setup.num_shards)
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        # Shards of this node are reached through shared memory, slice by slice.
+        self._lanes: dict[int, Lane] = open_lanes(
+            transport,
+            setup.model_id,
+            {
+                s: (0, (self._bounds[s + 1] - self._bounds[s]) * itemsize)
+                for s in setup.local_shards
+            },
+            setup.rank,
+        )
+        # The parameters when the optimizer step began (host copy).
+        self._base = torch.empty(numel, dtype=dtype)
+        # Only shards reached by wire need a host delta; colocated ones get theirs
+        # written straight into shared memory.
+        wired = len(self._lanes) < setup.num_shards
+        self._delta = torch.empty(numel if wired else 0, dtype=dtype)
+        self._on_gpu = any(p.is_cuda for p in self._params)
+        self._flat = torch.empty(numel if self._on_gpu else 0, dtype=dtype)  # GPU staging
+        self._np_dtype = self._base.numpy().dtype
+        # Where each shard's delta is computed: straight into the shared memory of a
+        # colocated shard (saving a copy), else into ``_delta`` for the wire.
+        self._delta_parts = [
+            self._lane_tensor(self._lanes[s].inputs, b - a)
+            if s in self._lanes
+            else self._delta[a:b]
+            for s, (a, b) in enumerate(self._slices())
+        ]
+        # Where each parameter's values lie among the shards' slices: deltas and
+        # installs run per (parameter, shard) piece, with no flat intermediate copy.
+        self._pieces = pieces([p.numel() for p in self._params], self._bounds)
+        # Each parameter's first element in the flat vector (also for empty ones,
+        # which have no piece).
+        self._offsets = list(itertools.accumulate((p.numel() for p in self._params), initial=0))
+        # Bytes exchanged with each shard per push or reply: shared memory carries the
+        # parameters' dtype, the wire the codec's.
+        local_size = self._base.element_size()
+        wire_size = self._codec.wire_dtype.itemsize if self._codec.active else local_size
+        self._slice_bytes = [
+            (b - a) * (local_size if s in self._lanes else wire_size)
+            for s, (a, b) in enumerate(self._slices())
+        ]
+        self._clock = 0
+        self._stamp = 0  # slowest worker's clock contained in the installed parameters
+        self._inflight: _InFlight | None = None
+        self._installed = True  # whether the newest reply is in the model
+        self._first_forward = True  # no forward yet since the last optimizer step
+        self._counted_step = -1
+        self._forwards = 0
+        self._generation = 0  # checkpoints loaded into the model since prepare_model
+        self._gaps_sum = 0
+        self._samples = 0
+        self._finished = False
+        self._snapshot_params()  # rank 0 seeds the shards with this snapshot
+
+    @classmethod
+    def build(cls, setup: ClientSetup, transport: Transport) -> ParamClient:
+        """The client of one prepared model (the mode table's constructor)."""
+        return cls(setup, transport)
+
+    def bind(self, ddp: DistributedDataParallel) -> None:
+        """Seeds the shards and hooks the model's checkpoints to them.
+
+        ``state_dict()`` first pulls the shards' parameters, so a checkpoint holds
+        them; ``load_state_dict()`` afterwards hands the loaded parameters to the
+        shards, so a resume after ``prepare_model`` is not overwritten.
+        """
+        self._start()
+        module = self.setup.module
+        module.register_state_dict_pre_hook(ModelHook(module, self.sync))
+        module.register_load_state_dict_post_hook(ModelHook(module, self.reseed))
+
+    def _start(self) -> None:
+        """Rank 0 seeds the shards with its parameters (identical on every rank
+        after DDP's initial broadcast); it waits so a failure surfaces here."""
+        if self.rank != 0:
+            return
+        base = self._base.numpy()
+        handles = [
+            self._transport.call(s, "init", self.model_id, base[a:b])
+            for s, (a, b) in enumerate(self._slices())
+        ]
+        self._wait(handles, "initial parameters")
+
+    @property
+    def next_step(self) -> int:
+        """The clock the next update will complete."""
+        return self._clock + 1
+
+    @property
+    def num_shards(self) -> int:
+        return len(self._bounds) - 1
+
+    @property
+    def shared_memory_shards(self) -> tuple[int, ...]:
+        return tuple(sorted(self._lanes))
+
+    # --- the step ---------------------------------------------------------------
+    def before_step(self) -> None:
+        """Checks, then snapshots the parameters the optimizer step starts from."""
+        super().before_step()
+        self._snapshot_params()
+
+    def before_forward(self) -> None:
+        """Installs the newest reply if it is back, or waits when ssp demands it.
+
+        Only the first forward pass after an optimizer step may change the
+        parameters: a later one (a second forward before the same backward) would
+        modify tensors autograd saved for that backward.
+        """
+        super().before_forward()
+        self._forwards += 1
+        if not self._first_forward:
+            return
+        self._first_forward = False
+        if self._inflight is not None and not self._installed:
+            must_wait = self._staleness is not None and self._stamp < self._clock - self._staleness
+            if must_wait or self._transport.done(self._inflight.handles):
+                started = time.perf_counter()
+                replies = self._wait(self._inflight.handles, f"clock {self._inflight.clock}")
+                self._install(replies, self._inflight.clock % 2)
+                if must_wait:
+                    with self._lock:
+                        self._stats.wait_s += time.perf_counter() - started
+        if self._counted_step != self._clock:
+            # One staleness sample per step: how many clocks the slowest worker's
+            # contribution lags behind this worker's.
+            self._counted_step = self._clock
+            gap = self._clock - self._stamp
+            self._gaps_sum += gap
+            self._samples += 1
+            with self._lock:
+                self._stats.staleness_max = max(self._stats.staleness_max, gap)
+                self._stats.staleness_mean = self._gaps_sum / self._samples
+
+    def after_step(self) -> None:
+        """Pushes this step's delta to every shard (called after optimizer.step)."""
+        self._first_forward = True
+        previous = None
+        if self._inflight is not None:
+            # The shards apply a worker's updates in clock order; Ray does not order
+            # calls to an asyncio actor, so the previous push must be confirmed first
+            # (which also frees the shared-memory input the delta is written to).
+            started = time.perf_counter()
+            previous = self._wait(self._inflight.handles, f"clock {self._inflight.clock}")
+            with self._lock:
+                self._stats.wait_s += time.perf_counter() - started
+        params = self._host_params()
+        for pc in self._pieces:
+            torch.sub(
+                params[pc.param][pc.p0 : pc.p1],
+                self._base[pc.flat0 : pc.flat0 + pc.numel],
+                out=self._delta_parts[pc.shard][pc.s0 : pc.s0 + pc.numel],
+            )
+        self._clock += 1
+        slot = self._clock % 2
+        wired = len(self._lanes) < self.num_shards
+        delta = self._codec.encode(self._delta) if wired else None
+        handles = []
+        for s, (a, b) in enumerate(self._slices()):
+            if s in self._lanes:
+                handles.append(
+                    self._transport.call(
+                        s, "push_local", self.model_id, self.rank, self._clock, slot
+                    )
+                )
+            else:
+                assert delta is not None
+                handles.append(
+                    self._transport.call(
+                        s, "push_pull", self.model_id, self.rank, self._clock, delta[a:b]
+                    )
+                )
+        self._inflight = _InFlight(self._clock, handles, time.perf_counter())
+        if previous is not None and not self._installed:
+            # The previous reply came back too late for this step's forward pass. It
+            # is still the freshest view of the other workers: train on it plus this
+            # worker's own step, rather than drift on a purely local copy.
+            self._install(previous, (self._clock - 1) % 2, plus=self._delta_parts)
+        self._installed = False
+        with self._lock:
+            self._stats.steps = self._clock
+            self._stats.clock = self._clock
+            self._stats.pushes += len(handles)
+            for s, nbytes in enumerate(self._slice_bytes):
+                self._count_push(s, nbytes)
+        if self._metrics is not None and self._metrics.due():
+            self._metrics.export(self.snapshot())
+
+    # --- consistency points -------------------------------------------------------
+    def flush(self) -> None:
+        """Waits until this worker's last update is applied on every shard."""
+        super().flush()
+        if self._inflight is not None:
+            replies = self._wait(self._inflight.handles, f"clock {self._inflight.clock}")
+            if not self._installed:
+                self._install(replies, self._inflight.clock % 2)
+            self._inflight = None
+
+    def sync(self) -> None:
+        """Installs the shards' current parameters (all updates applied so far).
+
+        Used before ``state_dict()``, so a checkpoint holds the servers' parameters,
+        not this worker's possibly stale copy.
+        """
+        self.flush()
+        # Nothing is in flight now, so either output slot is free; the next push
+        # (clock + 1) will answer in the other one.
+        slot = self._clock % 2
+        handles = [
+            self._transport.call(s, "pull_local", self.model_id, self.rank, self._clock, slot)
+            if s in self._lanes
+            else self._transport.call(s, "pull", self.model_id, self.rank, self._clock)
+            for s in range(self.num_shards)
+        ]
+        self._install(self._wait(handles, "a parameter pull"), slot)
+
+    def reseed(self) -> None:
+        """Hands parameters just loaded into the model to the shards.
+
+        Every worker that loads waits until rank 0's copy is on the shards, so no
+        worker pushes an update relative to values the shards do not hold.
+        """
+        self.flush()
+        self._generation += 1
+        self._snapshot_params()
+        base = self._base.numpy()
+        if self.rank == 0:
+            handles = [
+                self._transport.call(s, "reseed", self.model_id, self._generation, base[a:b])
+                for s, (a, b) in enumerate(self._slices())
+            ]
+        else:
+            handles = [
+                self._transport.call(
+                    s, "wait_generation", self.model_id, self.rank, self._generation
+                )
+                for s in range(self.num_shards)
+            ]
+        self._wait(handles, "loading a state dict")
+        self._installed = True  # the loaded values are what the shards hold now
+
+    def finish(self) -> None:
+        """Confirms the last update and releases the workers waiting for this one."""
+        if self._finished:
+            return
+        self._finished = True
+        super().finish()
+        if self._forwards and not self._clock:
+            logger.warning(
+                "rank %d ran %d forward passes but no optimizer.step() on the PS model's "
+                "parameters: in async/ssp mode updates reach the servers only through "
+                "an optimizer's step(); nothing was sent.",
+                self.rank,
+                self._forwards,
+            )
+        self.flush()
+        self._wait(
+            [
+                self._transport.call(s, "finish", self.model_id, self.rank)
+                for s in range(self.num_shards)
+            ],
+            "finishing",
+        )
+
+    def close(self) -> None:
+        """Unmaps the shared memory (nothing runs in the background)."""
+        lanes, self._lanes = self._lanes, {}
+        for lane in lanes.values():
+            lane.close()
+
+    # --- helpers ------------------------------------------------------------------
+    def _snapshot_params(self) -> None:
+        self._flatten(self._base)
+
+    def _flatten(self, out: torch.Tensor) -> None:
+        flat = [p.detach().reshape(-1) for p in self._params]
+        if not flat:
+            return
+        if not self._on_gpu:
+            torch.cat(flat, out=out)
+        else:  # GPU parameters are staged through the host buffer
+            out.copy_(torch.cat(flat))
+
+    def _host_params(self) -> list[torch.Tensor]:
+        """Flat host views of the parameters (a staged copy when they live on GPU)."""
+        if not self._on_gpu:
+            return [p.detach().reshape(-1) for p in self._params]
+        self._flatten(self._flat)
+        return [self._flat[o : o + p.numel()] for o, p in zip(self._offsets, self._params)]
+
+    def _slices(self) -> list[tuple[int, int]]:
+        return list(zip(self._bounds, self._bounds[1:]))
+
+    def _lane_tensor(self, seg: Segment, numel: int) -> torch.Tensor:
+        return torch.from_numpy(seg.view(0, self._np_dtype, numel))
+
+    def _install(
+        self, replies: list[Reply], slot: int, plus: Sequence[torch.Tensor] | None = None
+    ) -> None:
+        """Writes the shards' replies (plus an own, unconfirmed step) into the model.
+
+        Args:
+            replies: One reply per shard.
+            slot: The output segment that colocated shards answered in.
+            plus: Per shard, a delta to add on top (this worker's newest step).
+        """
+        sources = [
+            self._lane_tensor(self._lanes[s].outputs[slot], b - a)
+            if r.params is None
+            else self._codec.decode(r.params, self._base.dtype)
+            for s, ((a, b), r) in enumerate(zip(self._slices(), replies))
+        ]
+        # Contiguous CPU parameters are written in place; others (GPU, unusual
+        # strides) are assembled on the host first and copied in once.
+        direct = [p.is_contiguous() and not p.is_cuda for p in self._params]
+        flats = [
+            p.detach().view(-1) if d else torch.empty(p.numel(), dtype=p.dtype)
+            for p, d in zip(self._params, direct)
+        ]
+        with torch.no_grad():
+            for pc in self._pieces:
+                dst = flats[pc.param][pc.p0 : pc.p1]
+                src = sources[pc.shard][pc.s0 : pc.s0 + pc.numel]
+                if plus is None:
+                    dst.copy_(src)
+                else:  # one pass: the shard's values plus this worker's own step
+                    torch.add(src, plus[pc.shard][pc.s0 : pc.s0 + pc.numel], out=dst)
+            for p, flat, d in zip(self._params, flats, direct):
+                if not d:
+                    p.copy_(flat.view(p.shape))
+        self._stamp = min(r.slowest for r in replies)
+        self._installed = True
+        clocks = [max(cs) for cs in zip(*(r.clocks for r in replies))]
+        with self._lock:
+            self._stats.clocks = clocks
+            for s, nbytes in enumerate(self._slice_bytes):
+                self._stats.bytes_pulled += nbytes
+                if s in self.remote_shards:
+                    self._stats.bytes_cross_node += nbytes
+
+    def _wait(self, handles: list[Any], what: str) -> list[Any]:
+        shards = list(range(len(handles)))
+        return wait_all(
+            self._transport,
+            handles,
+            shards,
+            self.settings.ps_timeout_s,
+            f"rank {self.rank}: model {self.model_id}: {what}",
+        )

@@ -1,0 +1,377 @@
+"""The async/ssp shard: it owns a slice of the parameters and applies updates serially.
+
+The shard *owns* its slice of each prepared model's trainable parameters (a
+contiguous range of the flattened parameter vector) and is the only place they are
+updated: one asyncio event loop applies the workers' updates one at a time (Ray's
+actor-based parameter-server pattern). Every worker pushes the change its own
+optimizer made to its copy during one step (its *delta*) and gets the shard's
+current parameters back in the same call.
+
+Clocks (Petuum SSP): a worker's clock is the number of updates it has pushed. Each
+push carries the clock it completes, so the shard applies an update once however
+often it is delivered. With a staleness bound ``s`` a push completing clock ``c``
+is answered only once every worker has reached clock ``c - s``: the parameters the
+worker then trains on already contain every update of clock ``<= c - s`` from
+everybody. ``s = 0`` is bulk-synchronous; no bound (``"async"``) never waits.
+
+Master parameters are kept in the model's dtype, widened to fp32 for 16-bit models,
+so small updates are not lost to fp16 rounding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from ray_ps_plugin._codec import Codec
+from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
+from ray_ps_plugin._shard import ShardBase
+from ray_ps_plugin._shm import Segment, SegmentHandle
+from ray_ps_plugin._types import Compression
+
+__all__ = ["ParamShard", "Reply"]
+
+
+class Reply(NamedTuple):
+    """A shard's answer to a push or a pull.
+
+    Attributes:
+        params: The shard's slice, or ``None`` when it was written to the worker's
+            shared memory instead.
+        clocks: Every worker's clock when the answer was made.
+        slowest: The slowest unfinished worker's clock (all its updates are in).
+    """
+
+    params: np.ndarray | None
+    clocks: tuple[int, ...]
+    slowest: int
+
+
+def _as_tensor(arr: np.ndarray) -> torch.Tensor:
+    with warnings.catch_warnings():
+        # Ray hands arrays over read-only and zero-copy; they are only read.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(arr)
+
+
+@dataclass
+class _Model:
+    """One prepared model's state on this shard."""
+
+    num_workers: int
+    params: torch.Tensor | None = None  # the master copy of this shard's slice
+    dtype: str = "float32"  # the model's dtype: what workers send and receive
+    clocks: list[int] = field(default_factory=list)
+    finished: set[int] = field(default_factory=set)  # no longer holds the others back
+    generation: int = 0  # bumped by every reseed (a checkpoint loaded mid-run)
+    initialised: asyncio.Event = field(default_factory=asyncio.Event)
+    # Workers of this node attached through shared memory: input, two outputs.
+    lanes: dict[int, tuple[Segment, tuple[Segment, Segment]]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.clocks = [0] * self.num_workers
+
+    def slowest(self) -> int:
+        active = [c for r, c in enumerate(self.clocks) if r not in self.finished]
+        return min(active) if active else max(self.clocks)
+
+
+class ParamShard(ShardBase):
+    """Owns one slice of each model's parameters; applies the workers' updates serially.
+
+    Args:
+        shard_index: This shard's index, used in error messages.
+        num_workers: Number of workers pushing updates.
+        staleness: Largest clock gap a read may have (``"ssp"``), or ``None`` for no
+            bound (``"async"``).
+        timeout_s: How long a read waits for slow workers, and a push for the
+            initial parameters, before it fails.
+        compression: Wire format of deltas and parameters through the object store.
+    """
+
+    def __init__(
+        self,
+        shard_index: int,
+        num_workers: int,
+        staleness: int | None,
+        timeout_s: float,
+        compression: Compression | None = None,
+    ) -> None:
+        super().__init__(shard_index, num_workers, timeout_s)
+        self._codec = Codec(compression)
+        self.staleness = staleness
+        self._models: dict[int, _Model] = {}
+        self._changed = asyncio.Condition()
+        self._max_read_gap = 0
+
+    def _model(self, model: int) -> _Model:
+        state = self._models.get(model)
+        if state is None:
+            state = self._models[model] = _Model(self.num_workers)
+        return state
+
+    def attach(
+        self, model: int, rank: int, inputs: SegmentHandle, lo: int, nbytes: int
+    ) -> tuple[SegmentHandle, SegmentHandle]:
+        """Connects a worker of this node through shared memory, for one model.
+
+        From then on the worker writes its deltas into ``inputs`` and calls
+        :meth:`push_local` / :meth:`pull_local` naming the output segment (``slot``)
+        the shard writes its parameters into. The worker chooses the slot so that a
+        reply it has not read yet is never overwritten.
+
+        Returns:
+            The handles of the worker's two output segments.
+        """
+        self._check(model, rank)
+        outputs = (Segment.create(nbytes), Segment.create(nbytes))
+        self._model(model).lanes[rank] = (Segment.open(inputs), outputs)
+        return outputs[0].handle, outputs[1].handle
+
+    async def init(self, model: int, params: np.ndarray, clock: int = 0) -> bool:
+        """Adopts initial parameters (from rank 0, after DDP's broadcast).
+
+        Only the first call counts, so a retried init is harmless.
+
+        Args:
+            model: The prepared model's id.
+            params: This shard's slice of the flattened parameters, model dtype.
+            clock: The clock every worker starts from.
+
+        Returns:
+            True if these parameters were adopted, False if the shard had some.
+        """
+        self._check(model, 0, params.dtype.name)
+        state = self._model(model)
+        if state.params is not None:
+            return False
+        wide = torch.float32 if params.dtype.itemsize < 4 else getattr(torch, params.dtype.name)
+        state.params = _as_tensor(params).to(wide, copy=True)
+        state.dtype = params.dtype.name
+        state.clocks = [clock] * self.num_workers
+        self._bytes_in += params.nbytes
+        state.initialised.set()
+        return True
+
+    async def reseed(self, model: int, generation: int, params: np.ndarray) -> None:
+        """Replaces the parameters with ones a worker loaded (``load_state_dict``).
+
+        Clocks stay: a load is not an update. Each generation is applied once.
+        """
+        state = self._model(model)
+        await self._wait_initialised(state, model, 0)
+        assert state.params is not None
+        if generation > state.generation:
+            state.params.copy_(_as_tensor(params))
+            state.generation = generation
+            self._bytes_in += params.nbytes
+            async with self._changed:
+                self._changed.notify_all()
+
+    async def wait_generation(self, model: int, rank: int, generation: int) -> None:
+        """Waits (bounded) until the parameters of reseed ``generation`` are in."""
+        self._check(model, rank)
+        state = self._model(model)
+        if state.generation >= generation:
+            return
+        try:
+            async with self._changed:
+                await asyncio.wait_for(
+                    self._changed.wait_for(lambda: state.generation >= generation),
+                    self.timeout_s,
+                )
+        except asyncio.TimeoutError:
+            raise ShardTimeoutError(
+                f"shard {self.shard_index}: model {model}: rank {rank} loaded a state dict "
+                f"and waited {self.timeout_s:g}s for rank 0 to load it too. Call "
+                "load_state_dict on every worker (or on rank 0 only)."
+            ) from None
+
+    async def push_local(self, model: int, rank: int, clock: int, slot: int) -> Reply:
+        """:meth:`push_pull` for a worker attached through shared memory."""
+        self._check(model, rank)
+        state = self._model(model)
+        with self._queued():
+            params = await self._wait_initialised(state, model, rank)
+            inputs = self._lane(state, model, rank)[0]
+            nbytes = params.numel() * np.dtype(state.dtype).itemsize
+            if inputs.handle.nbytes != nbytes:
+                raise ShardProtocolError(
+                    f"shard {self.shard_index}: model {model}: rank {rank} attached a "
+                    f"{inputs.handle.nbytes}-byte slice for {nbytes} bytes of parameters; "
+                    "the workers' models differ."
+                )
+            delta = inputs.view(0, state.dtype, params.numel())
+            return await self._push_pull(state, model, rank, clock, delta, delta.nbytes, slot)
+
+    async def pull_local(self, model: int, rank: int, clock: int, slot: int) -> Reply:
+        """:meth:`pull` for a worker attached through shared memory."""
+        self._check(model, rank)
+        state = self._model(model)
+        with self._queued():
+            await self._wait_initialised(state, model, rank)
+            return await self._read(state, model, rank, clock, slot)
+
+    async def push_pull(self, model: int, rank: int, clock: int, delta: np.ndarray) -> Reply:
+        """Applies one worker's update and returns the parameters it may train on.
+
+        Args:
+            model: The prepared model's id.
+            rank: The pushing worker.
+            clock: The clock this update completes (the worker's update count).
+            delta: The change the worker's optimizer made to this slice in one step,
+                in the wire format.
+
+        Returns:
+            A copy of this shard's parameters, every worker's clock at the time and
+            the slowest unfinished worker's clock (all its updates are included).
+
+        Raises:
+            ShardTimeoutError: No initial parameters, or (ssp) the slow workers do
+                not catch up, within the timeout.
+            ShardProtocolError: An update is missing (clock jumps) or the slice's
+                size differs from the shard's (the workers' models differ).
+        """
+        self._check(model, rank)
+        state = self._model(model)
+        with self._queued():
+            params = await self._wait_initialised(state, model, rank)
+            values = self._codec.decode(delta, params.dtype)
+            return await self._push_pull(state, model, rank, clock, values, delta.nbytes)
+
+    async def pull(self, model: int, rank: int, clock: int) -> Reply:
+        """Returns the parameters without pushing (same staleness rule as a push)."""
+        self._check(model, rank)
+        state = self._model(model)
+        with self._queued():
+            await self._wait_initialised(state, model, rank)
+            return await self._read(state, model, rank, clock)
+
+    async def finish(self, model: int, rank: int) -> None:
+        """Marks a worker whose loop ended: the others stop waiting for it."""
+        self._check(model, rank)
+        self._model(model).finished.add(rank)
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _push_pull(
+        self,
+        state: _Model,
+        model: int,
+        rank: int,
+        clock: int,
+        delta: np.ndarray | torch.Tensor,
+        nbytes: int,
+        slot: int | None = None,
+    ) -> Reply:
+        assert state.params is not None
+        last = state.clocks[rank]
+        if clock <= last:
+            self._duplicates += 1  # a retried or duplicated delivery
+        elif clock == last + 1:
+            update = _as_tensor(delta) if isinstance(delta, np.ndarray) else delta
+            if update.shape != state.params.shape:
+                raise ShardProtocolError(
+                    f"shard {self.shard_index}: model {model}: rank {rank} pushed "
+                    f"{list(update.shape)} elements for a slice of "
+                    f"{list(state.params.shape)}; the workers' models differ."
+                )
+            # Each worker contributes 1/W of its step: W updates, one from each
+            # worker, move the parameters as far as one DDP step (mean of steps),
+            # so learning rates tuned for DDP carry over.
+            state.params.add_(update.to(state.params.dtype), alpha=1.0 / self.num_workers)
+            state.clocks[rank] = clock
+            self._pushes += 1
+            self._bytes_in += nbytes
+            async with self._changed:
+                self._changed.notify_all()
+        else:
+            raise ShardProtocolError(
+                f"shard {self.shard_index}: model {model}: rank {rank} pushed the update "
+                f"of clock {clock} after clock {last}; updates {last + 1}..{clock - 1} "
+                "are missing."
+            )
+        return await self._read(state, model, rank, clock, slot)
+
+    async def _wait_initialised(self, state: _Model, model: int, rank: int) -> torch.Tensor:
+        if not state.initialised.is_set():
+            try:
+                await asyncio.wait_for(state.initialised.wait(), self.timeout_s)
+            except asyncio.TimeoutError:
+                raise ShardTimeoutError(
+                    f"shard {self.shard_index}: model {model}: rank {rank} waited "
+                    f"{self.timeout_s:g}s for rank 0's initial parameters; rank 0 is "
+                    "stuck or dead, or prepared its models in another order."
+                ) from None
+        assert state.params is not None
+        return state.params
+
+    def _lane(
+        self, state: _Model, model: int, rank: int
+    ) -> tuple[Segment, tuple[Segment, Segment]]:
+        lane = state.lanes.get(rank)
+        if lane is None:
+            raise ShardProtocolError(
+                f"shard {self.shard_index}: model {model}: rank {rank} used shared "
+                "memory without attaching first."
+            )
+        return lane
+
+    async def _read(
+        self, state: _Model, model: int, rank: int, clock: int, slot: int | None = None
+    ) -> Reply:
+        if self.staleness is not None:
+            need = clock - self.staleness
+            if state.slowest() < need:
+                try:
+                    async with self._changed:
+                        await asyncio.wait_for(
+                            self._changed.wait_for(lambda: state.slowest() >= need),
+                            self.timeout_s,
+                        )
+                except asyncio.TimeoutError:
+                    behind = {
+                        r: c
+                        for r, c in enumerate(state.clocks)
+                        if c < need and r not in state.finished
+                    }
+                    raise ShardTimeoutError(
+                        f"shard {self.shard_index}: model {model}: rank {rank} at clock "
+                        f"{clock} waited {self.timeout_s:g}s for workers {sorted(behind)} "
+                        f"(clocks {behind}) to reach clock {need} (staleness bound "
+                        f"{self.staleness}); a worker is stuck or dead. Raise "
+                        "PSConfig.staleness or ps_timeout_s if it is only slow."
+                    ) from None
+        assert state.params is not None
+        slowest = state.slowest()
+        self._max_read_gap = max(self._max_read_gap, clock - slowest)
+        self.record_read(rank, clock, slowest)
+        values = state.params.numpy()
+        if slot is not None:
+            outputs = self._lane(state, model, rank)[1]
+            np.copyto(outputs[slot].view(0, state.dtype, values.size), values, casting="unsafe")
+            self._bytes_out += values.size * np.dtype(state.dtype).itemsize
+            return Reply(None, tuple(state.clocks), slowest)
+        # A fresh array: later updates must not change a reply Ray has not sent yet.
+        if self._codec.active:
+            out = self._codec.encode_np(values)
+        else:
+            out = values.astype(state.dtype, copy=True)
+        self._bytes_out += out.nbytes
+        return Reply(out, tuple(state.clocks), slowest)
+
+    def record_read(self, rank: int, clock: int, slowest: int) -> None:
+        """Called on every answered read; tests override it to log reads."""
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since start, every model's clocks, and the largest gap read."""
+        return {
+            **super().stats(),
+            "clocks": {m: list(s.clocks) for m, s in self._models.items()},
+            "max_read_gap": self._max_read_gap,
+        }

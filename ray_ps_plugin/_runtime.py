@@ -1,0 +1,256 @@
+"""The worker side of a run: what the backend installs, the clients, the hooks.
+
+The backend installs a :class:`RunInfo` in every worker process before the training
+function starts (:func:`install_run`, run on the actor's main thread; the training
+thread of the same process reads it). Every model the training function prepares
+gets a client (one per model, in preparation order: the model's id on the shards).
+Process-wide optimizer hooks route each optimizer step to the clients of the models
+whose parameters that optimizer holds: the user's optimizer is created after
+``prepare_model`` and never passes through the plugin.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+from ray_ps_plugin._client import ClientBase, ClientSetup
+from ray_ps_plugin._metrics import WorkerMetrics
+from ray_ps_plugin._stats import PSStats
+from ray_ps_plugin._types import Mode, RunSettings
+
+__all__ = [
+    "PSContext",
+    "RunInfo",
+    "current_run",
+    "get_ps_context",
+    "install_run",
+    "uninstall_run",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What the backend hands every worker.
+
+    Attributes:
+        settings: The run's PSConfig.
+        servers: Actor handles of the shards, in shard order.
+        server_node_ids: Node id of each shard.
+    """
+
+    settings: RunSettings
+    servers: Sequence[Any]
+    server_node_ids: Sequence[str]
+
+
+@dataclass(frozen=True)
+class PSContext:
+    """What ``get_ps_context()`` returns inside a PS training function.
+
+    Attributes:
+        mode: "sync", "async" or "ssp".
+        num_servers: Number of server shards.
+        server_node_ids: The node id of each shard, in shard order.
+        world_rank: This worker's rank.
+        world_size: Number of workers.
+        shared_memory_shards: The shards this worker reaches through shared memory
+            (those on its node, unless ``shared_memory=False`` or the host cannot);
+            the others are reached through Ray's object store. Empty before
+            ``prepare_model``.
+        num_models: Models prepared so far by this worker (each has its own keys,
+            clocks and counters on the shards).
+    """
+
+    mode: Mode
+    num_servers: int
+    server_node_ids: tuple[str, ...]
+    world_rank: int
+    world_size: int
+    shared_memory_shards: tuple[int, ...] = ()
+    num_models: int = 0
+
+    @property
+    def stats(self) -> PSStats:
+        """Counters of the most recently prepared model (zero before ``prepare_model``)."""
+        if not _CLIENTS:
+            return PSStats(bytes_pushed_per_shard=[0] * self.num_servers)
+        return _CLIENTS[-1].snapshot()
+
+    def model_stats(self) -> list[PSStats]:
+        """Counters of every prepared model, in the order they were prepared."""
+        return [c.snapshot() for c in _CLIENTS]
+
+    def flush(self) -> None:
+        """Waits until this worker's updates are applied on every shard (async/ssp).
+
+        Applies to every prepared model. In sync mode every step is already complete
+        when ``backward()`` returns, so this returns at once. For a final checkpoint
+        holding every worker's last update, call ``flush()`` on all workers, then
+        ``ray.train.collective.barrier()``, then save ``model.module.state_dict()`` on
+        rank 0.
+
+        Raises:
+            PSTimeoutError: If a shard does not confirm within ``ps_timeout_s``.
+        """
+        for client in _CLIENTS:
+            client.flush()
+
+
+# --- per-process registry -----------------------------------------------------------
+_RUN: RunInfo | None = None
+_CLIENTS: list[ClientBase] = []
+_OPTIMIZER_HOOKS: list[Any] = []
+
+
+def install_run(info: RunInfo) -> None:
+    """Called by the backend on every worker before training starts."""
+    global _RUN
+    _RUN = info
+
+
+def uninstall_run() -> None:
+    """Called by the backend on shutdown: stops communication threads."""
+    global _RUN
+    _RUN = None
+    close_clients()
+
+
+def current_run() -> RunInfo:
+    """The run installed in this worker.
+
+    Raises:
+        RuntimeError: Outside a PS run (e.g. a PS model built by hand).
+    """
+    if _RUN is None:
+        raise RuntimeError(
+            "PSDistributedDataParallel needs a running PS backend; use it through "
+            "PSTrainer or TorchTrainer(torch_config=PSConfig(strategy='ps'))."
+        )
+    return _RUN
+
+
+def get_ps_context() -> PSContext | None:
+    """Describes this run's parameter servers, from inside the training function.
+
+    Returns:
+        A :class:`PSContext` with the servers' count, node ids and mode, and live
+        statistics of this worker (``.stats``); ``None`` when the run does not use the
+        parameter-server strategy (``strategy="ddp"`` or a plain ``TorchTrainer``).
+    """
+    if _RUN is None:
+        return None
+    import ray.train
+
+    ctx = ray.train.get_context()
+    return PSContext(
+        mode=_RUN.settings.mode,
+        num_servers=len(_RUN.servers),
+        server_node_ids=tuple(_RUN.server_node_ids),
+        world_rank=ctx.get_world_rank(),
+        world_size=ctx.get_world_size(),
+        shared_memory_shards=_CLIENTS[-1].shared_memory_shards if _CLIENTS else (),
+        num_models=len(_CLIENTS),
+    )
+
+
+def client_setup(module: torch.nn.Module, info: RunInfo) -> ClientSetup:
+    """Describes a model being prepared on this worker, for its client."""
+    import ray
+    import ray.train
+
+    ctx = ray.train.get_context()
+    rank = ctx.get_world_rank()
+    node = ray.get_runtime_context().get_node_id()
+    local = tuple(i for i, n in enumerate(info.server_node_ids) if n == node)
+    return ClientSetup(
+        model_id=len(_CLIENTS),
+        module=module,
+        params=tuple(p for p in module.parameters() if p.requires_grad),
+        rank=rank,
+        world_size=ctx.get_world_size(),
+        num_shards=len(info.servers),
+        settings=info.settings,
+        # Shards of this node are reached through shared memory unless turned off.
+        local_shards=local if info.settings.shared_memory else (),
+        remote_shards=frozenset(i for i, n in enumerate(info.server_node_ids) if n != node),
+        metrics=_worker_metrics(info.settings.mode, rank, len(_CLIENTS)),
+    )
+
+
+def register(client: ClientBase) -> None:
+    """Adds a prepared model's client; its optimizer steps now reach it."""
+    _CLIENTS.append(client)
+
+
+def _worker_metrics(mode: str, rank: int, model: int) -> WorkerMetrics | None:
+    try:
+        import ray.train
+
+        run = ray.train.get_context().get_experiment_name()
+        return WorkerMetrics({"run": run, "mode": mode, "rank": str(rank), "model": str(model)})
+    except Exception:
+        logger.debug("no metrics export", exc_info=True)
+        return None
+
+
+# --- optimizer hooks ------------------------------------------------------------------
+def ensure_optimizer_hooks() -> None:
+    """Registers the process-wide optimizer step hooks (once)."""
+    if not _OPTIMIZER_HOOKS:
+        _OPTIMIZER_HOOKS.append(register_optimizer_step_pre_hook(_before_optimizer_step))
+        _OPTIMIZER_HOOKS.append(register_optimizer_step_post_hook(_after_optimizer_step))
+
+
+def remove_optimizer_hooks() -> None:
+    while _OPTIMIZER_HOOKS:
+        _OPTIMIZER_HOOKS.pop().remove()
+
+
+def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for client in _CLIENTS:
+        if client.owns(optimizer):
+            client.before_step()
+
+
+def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for client in _CLIENTS:
+        if client.owns(optimizer):
+            client.after_step()
+
+
+# --- end of the training function --------------------------------------------------
+def used_models() -> int:
+    """Models prepared so far in this worker."""
+    return len(_CLIENTS)
+
+
+def finish_clients(raising: bool) -> None:
+    """Confirms every model's last update before the loop's end counts.
+
+    Without this an async/ssp worker could return while its final push is still in
+    flight, and the update would be lost silently. After a failure in the user's
+    code the original error matters more, so a second one is only logged.
+    """
+    for client in _CLIENTS:
+        try:
+            client.finish()
+        except Exception:
+            if raising:
+                raise
+            logger.warning("Could not confirm the last update after a failure.", exc_info=True)
+
+
+def close_clients() -> None:
+    while _CLIENTS:
+        _CLIENTS.pop().close()

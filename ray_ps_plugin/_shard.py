@@ -1,0 +1,107 @@
+"""What every shard actor has: identity, the workers it serves, checks, counters.
+
+Both shard kinds (sync summation, async/ssp parameters) are asyncio actors: all
+their coroutines run on one event-loop thread, so state is updated serially without
+locks (Ray's actor-based parameter-server pattern), while thousands of calls may
+wait at once without holding a thread each. They are plain classes here, wrapped
+with ``ray.remote`` by the backend, so unit tests can drive them on an event loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from ray_ps_plugin._errors import ShardProtocolError
+from ray_ps_plugin._metrics import ShardMetrics
+
+__all__ = ["MAX_MODELS", "WIRE_DTYPES", "ShardBase"]
+
+logger = logging.getLogger(__name__)
+
+# Prepared models per worker process that one run may have (each has its own keys,
+# clocks and segments on every shard).
+MAX_MODELS = 1024
+
+# Element types a worker may describe for data in shared memory.
+WIRE_DTYPES = frozenset({"float16", "float32", "float64"})
+
+
+class ShardBase:
+    """Identity, argument checks and counters shared by every shard actor.
+
+    Args:
+        shard_index: This shard's index, used in error messages.
+        num_workers: Number of workers it serves.
+        timeout_s: Bound on every wait inside the shard.
+    """
+
+    def __init__(self, shard_index: int, num_workers: int, timeout_s: float) -> None:
+        self.shard_index = shard_index
+        self.num_workers = num_workers
+        self.timeout_s = timeout_s
+        self._bytes_in = 0
+        self._bytes_out = 0
+        self._pushes = 0
+        self._duplicates = 0
+        self._started = time.time()
+        self._metrics: ShardMetrics | None = None
+
+    def ready(self) -> dict[str, Any]:
+        """Answers once the actor is up; tells where it runs; starts its metrics."""
+        import ray
+
+        try:
+            self._metrics = ShardMetrics(self.shard_index)
+        except Exception:
+            logger.debug("shard %d: no metrics", self.shard_index, exc_info=True)
+        return {
+            "shard": self.shard_index,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
+        }
+
+    def _check(self, model: object, rank: object, dtype: object = "float32") -> None:
+        """Refuses caller-supplied ids a worker of this run cannot send.
+
+        A negative rank would silently index another worker's clock; an unknown
+        dtype would reinterpret shared memory as anything.
+
+        Raises:
+            ShardProtocolError: Naming the bad argument.
+        """
+        for name, value, bound in (("model", model, MAX_MODELS), ("rank", rank, self.num_workers)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < bound:
+                raise ShardProtocolError(
+                    f"shard {self.shard_index}: {name} {value!r} is not an int in [0, {bound})."
+                )
+        if dtype not in WIRE_DTYPES:
+            raise ShardProtocolError(
+                f"shard {self.shard_index}: dtype {dtype!r} is not one of {sorted(WIRE_DTYPES)}."
+            )
+
+    @contextlib.contextmanager
+    def _queued(self) -> Iterator[None]:
+        """Counts a call as waiting on this shard for as long as it runs."""
+        if self._metrics is not None:
+            self._metrics.enter()
+        try:
+            yield
+        finally:
+            if self._metrics is not None:
+                self._metrics.leave()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since start: bytes in/out, pushes, duplicate pushes ignored."""
+        return {
+            "shard": self.shard_index,
+            "bytes_in": self._bytes_in,
+            "bytes_out": self._bytes_out,
+            "pushes": self._pushes,
+            "duplicates": self._duplicates,
+            "uptime_s": time.time() - self._started,
+        }

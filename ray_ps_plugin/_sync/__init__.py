@@ -1,0 +1,1 @@
+"""Sync mode: summation shards (BytePS) and the DDP communication hook that feeds them."""

@@ -1,0 +1,292 @@
+"""The sync-mode worker client: DDP's gradient buckets through the summation shards.
+
+One synchronous step, top to bottom:
+
+1. ``loss.backward()`` fills DDP's gradient buckets; as each bucket becomes ready
+   DDP calls :meth:`SumClient.hook` on the autograd thread.
+2. The hook divides the bucket by the world size (as DDP's all-reduce hook does),
+   cuts it into chunks with :class:`~ray_ps_plugin._sync.layout.StreamLayout` and
+   submits one non-blocking push per chunk to the chunk's shard. Backward carries on
+   computing the next buckets while the chunks travel.
+3. A per-model communication thread waits (with a timeout) for the shards' sums and
+   writes them back into the bucket, completing the future DDP holds.
+4. At the end of backward DDP copies the summed buckets into ``param.grad``; the
+   user's optimizer then steps locally, exactly as under DDP.
+
+A failed round never fails DDP's future: torch would re-raise it from ``backward()``
+as a ``RuntimeError`` with a mangled message. The future completes, the error is
+kept, and it is raised as the original :class:`~ray_ps_plugin.PSError` at the end
+of the same ``backward()`` (an autograd callback) — and again before any optimizer
+step or forward pass, so no step is ever taken on a failed sum.
+"""
+
+# No ``from __future__ import annotations`` here: DDP inspects the hook's
+# annotations at register time and refuses string annotations.
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ray_ps_plugin._client import ClientBase, ClientSetup
+from ray_ps_plugin._codec import Codec
+from ray_ps_plugin._errors import PSError
+from ray_ps_plugin._nonfinite import all_finite
+from ray_ps_plugin._sync.layout import Piece, StreamLayout
+from ray_ps_plugin._transport import Lane, Transport, open_lanes, wait_all
+
+if TYPE_CHECKING:
+    from torch.nn.parallel import DistributedDataParallel
+
+__all__ = ["SHARD_MAX_CONCURRENCY", "SumClient", "check_concurrency"]
+
+logger = logging.getLogger(__name__)
+
+# Each push occupies one of the shard actor's concurrent calls until every worker has
+# pushed that chunk, so a shard must admit all chunks of two steps from all workers.
+SHARD_MAX_CONCURRENCY = 4096
+
+
+def check_concurrency(layout: StreamLayout, world_size: int) -> None:
+    """Raises if a step has more in-flight pushes per shard than a shard admits."""
+    largest_share = max(b - a for a, b in zip(layout.bounds, layout.bounds[1:]))
+    # Bucket boundaries add one extra cut each; +8 allows for a handful of buckets
+    # falling inside one shard's range.
+    chunks = -(-largest_share // layout.chunk_bytes) + 8
+    if 2 * world_size * chunks > SHARD_MAX_CONCURRENCY:
+        raise ValueError(
+            f"PSConfig.chunk_bytes={layout.chunk_bytes} cuts each shard's "
+            f"{largest_share} bytes into ~{chunks} chunks; with {world_size} workers "
+            f"that exceeds the {SHARD_MAX_CONCURRENCY} pushes a shard holds at once. "
+            "Raise chunk_bytes or num_servers."
+        )
+
+
+def _np_dtype(t: torch.Tensor) -> str:
+    """The NumPy name of a bucket's dtype (buckets are float16/32/64)."""
+    return str(t.dtype).removeprefix("torch.")
+
+
+@dataclass
+class _Pending:
+    step: int
+    bucket: torch.Tensor
+    pieces: tuple[Piece, ...]
+    handles: list[Any]
+    future: torch.futures.Future[torch.Tensor]
+    started: float
+
+
+class SumClient(ClientBase):
+    """Routes one prepared model's DDP gradient buckets through the shards.
+
+    Args:
+        setup: The model, its worker and the run (see :class:`ClientSetup`).
+        layout: Where each chunk goes (and so how many shards there are).
+        transport: How calls reach the shards.
+        lanes: Shards of this node reached through shared memory, by shard index;
+            the others are reached through the object store.
+    """
+
+    def __init__(
+        self,
+        setup: ClientSetup,
+        layout: StreamLayout,
+        transport: Transport,
+        lanes: dict[int, Lane],
+    ) -> None:
+        super().__init__(setup, layout.num_shards, check_local=False)
+        self._transport = transport
+        self._layout = layout
+        self._lanes = dict(lanes)
+        self._codec = Codec(setup.settings.compression)
+        self._stream_offset = 0
+        self._queue: queue.Queue[_Pending | None] = queue.Queue()
+        self._thread = threading.Thread(
+            target=self._complete_loop,
+            name=f"ps-comm-rank{self.rank}-model{self.model_id}",
+            daemon=True,
+        )
+        self._thread.start()
+
+    @classmethod
+    def build(cls, setup: ClientSetup, transport: Transport) -> "SumClient":
+        """Lays out the model's gradient stream and attaches the local shards."""
+        layout = StreamLayout(
+            sum(p.numel() * p.element_size() for p in setup.params),
+            setup.num_shards,
+            setup.settings.chunk_bytes,
+        )
+        check_concurrency(layout, setup.world_size)
+        # The segment covers the shard's byte range plus slack: a chunk's last
+        # element may end a few bytes past the range when the range is not aligned.
+        spans = {
+            s: (layout.bounds[s], layout.bounds[s + 1] - layout.bounds[s] + 16)
+            for s in setup.local_shards
+        }
+        lanes = open_lanes(transport, setup.model_id, spans, setup.rank)
+        return cls(setup, layout, transport, lanes)
+
+    def bind(self, ddp: "DistributedDataParallel") -> None:
+        """Replaces DDP's all-reduce with :meth:`hook`; DDP keeps its buckets."""
+        ddp.register_comm_hook(None, self.hook)
+
+    def hook(
+        self,
+        state: object,
+        bucket: torch.distributed.GradBucket,  # type: ignore[name-defined]
+    ) -> torch.futures.Future[torch.Tensor]:
+        """DDP communication hook: push this bucket's chunks, return the sum's future."""
+        buf = bucket.buffer()
+        if bucket.index() == 0:
+            # Buckets come in index order; index 0 opens a new synchronisation round.
+            self._stream_offset = 0
+            with self._lock:
+                self._stats.steps += 1
+                self._stats.clock = self._stats.steps
+            self._queue_error_check()
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        if buf.numel() == 0:
+            # A bucket of empty parameters carries nothing to synchronise.
+            fut.set_result(buf)
+            return fut
+        step = self._stats.steps
+        pieces = self._layout.cut(self._stream_offset, buf.numel(), buf.element_size())
+        self._stream_offset += buf.numel() * buf.element_size()
+        remote = [p for p in pieces if p.shard not in self._lanes]
+        dtype = _np_dtype(buf)
+        # Workers divide by the world size before pushing, as DDP's all-reduce hook
+        # does. A CPU chunk bound for shared memory is divided straight into it (one
+        # pass instead of two); a GPU bucket is divided on the device and staged.
+        staged = None
+        if buf.is_cuda:
+            buf.div_(self.world_size)
+            staged = buf.cpu() if len(remote) < len(pieces) else None
+        else:
+            for p in remote:
+                buf[p.start : p.stop].div_(self.world_size)
+        # Compression encodes a 16-bit host copy for the object store only: shared
+        # memory carries full precision, since no network is involved.
+        host = self._codec.encode(buf) if remote else None
+        handles = []
+        for p in pieces:
+            lane = self._lanes.get(p.shard)
+            if lane is None:
+                assert host is not None
+                handles.append(
+                    self._transport.call(
+                        p.shard,
+                        "push_pull",
+                        self.model_id,
+                        step,
+                        p.key,
+                        self.rank,
+                        host[p.start : p.stop],
+                        dtype,
+                    )
+                )
+                continue
+            dst = torch.from_numpy(lane.inputs.view(p.key - lane.lo, dtype, p.numel))
+            if staged is None:
+                torch.div(buf[p.start : p.stop], self.world_size, out=dst)
+            else:
+                dst.copy_(staged[p.start : p.stop])
+            handles.append(
+                self._transport.call(
+                    p.shard, "push_local", self.model_id, step, p.key, self.rank, dtype, p.numel
+                )
+            )
+        with self._lock:
+            for p in pieces:
+                wired = p.shard not in self._lanes
+                nbytes = p.numel * (
+                    host.itemsize if wired and host is not None else buf.element_size()
+                )
+                self._count_push(p.shard, nbytes)
+            self._stats.pushes += len(pieces)
+        self._queue.put(_Pending(step, buf, pieces, handles, fut, time.perf_counter()))
+        return fut
+
+    def _queue_error_check(self) -> None:
+        """Raises a failed round's error at the end of this backward pass."""
+        try:
+            engine = torch.autograd.Variable._execution_engine
+            engine.queue_callback(self.raise_pending)
+        except Exception:
+            logger.debug("no autograd callback; errors surface at optimizer.step()")
+
+    def _complete_loop(self) -> None:
+        """Completes bucket futures in submission order (the order DDP waits in).
+
+        Every future is completed whatever happens, or DDP would wait forever at the
+        end of backward; a failure is kept and raised by :meth:`raise_pending`.
+        """
+        while (item := self._queue.get()) is not None:
+            try:
+                self._complete(item)
+            except PSError as e:
+                self.fail(e)
+            except Exception as e:
+                shards = sorted({p.shard for p in item.pieces})
+                self.fail(PSError(f"{self._where(item)}: server shard(s) {shards} failed: {e}"))
+            finally:
+                if not item.future.done():
+                    item.future.set_result(item.bucket)
+            try:
+                if self._metrics is not None and self._metrics.due():
+                    self._metrics.export(self.snapshot())
+            except Exception:
+                logger.debug("metrics export failed", exc_info=True)
+
+    def _where(self, item: _Pending) -> str:
+        return f"rank {self.rank}: model {self.model_id}: step {item.step}"
+
+    def _complete(self, item: _Pending) -> None:
+        results = wait_all(
+            self._transport,
+            item.handles,
+            [p.shard for p in item.pieces],
+            self.settings.ps_timeout_s,
+            self._where(item),
+        )
+        nbytes = cross = 0
+        bucket = item.bucket
+        dtype = _np_dtype(bucket)
+        for p, r in zip(item.pieces, results):
+            lane = self._lanes.get(p.shard)
+            if lane is not None:
+                r = lane.outputs[item.step % 2].view(p.key - lane.lo, dtype, p.numel)
+                bucket[p.start : p.stop].copy_(torch.from_numpy(r))
+            else:
+                bucket[p.start : p.stop].copy_(self._codec.decode(r, bucket.dtype))
+            nbytes += r.nbytes
+            if p.shard in self.remote_shards:
+                cross += r.nbytes
+        if self.guard.policy != "ignore" and not all_finite(bucket):
+            # Every worker holds the same sum, so every worker flags the same step.
+            self.guard.flag(item.step)
+        with self._lock:
+            self._stats.bytes_pulled += nbytes
+            self._stats.bytes_cross_node += cross
+            self._stats.last_sync_s = time.perf_counter() - item.started
+        item.future.set_result(bucket)
+
+    @property
+    def next_step(self) -> int:
+        """The synchronisation round the optimizer is about to apply."""
+        return self._stats.steps
+
+    @property
+    def shared_memory_shards(self) -> tuple[int, ...]:
+        return tuple(sorted(self._lanes))
+
+    def close(self) -> None:
+        """Stops the communication thread (waits at most ``ps_timeout_s``)."""
+        self._queue.put(None)
+        self._thread.join(self.settings.ps_timeout_s)
+        lanes, self._lanes = self._lanes, {}
+        for lane in lanes.values():
+            lane.close()

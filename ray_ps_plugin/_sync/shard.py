@@ -1,0 +1,258 @@
+"""The sync-mode shard: BytePS's summation server, one Ray actor per shard.
+
+Every worker pushes its chunk ``key`` of step ``step``; the shard sums the pushes
+into one accumulator and, once all workers have pushed, answers every one of them
+with the sum. Workers divide by the world size *before* pushing, exactly as DDP's
+default hook does before its all-reduce, so the result is DDP's arithmetic.
+
+Each prepared model of the run has its own slots and segments on the shard (keyed
+by the model's id), so two models with equal shapes never mix their sums.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ray_ps_plugin._codec import Codec
+from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
+from ray_ps_plugin._shard import ShardBase
+from ray_ps_plugin._shm import Segment, SegmentHandle
+from ray_ps_plugin._types import Compression
+
+__all__ = ["SumShard"]
+
+
+@dataclass
+class _Slot:
+    """Accumulator of one chunk for one step."""
+
+    step: int
+    acc: np.ndarray
+    ranks: set[int] = field(default_factory=set)
+    wire: np.ndarray | None = None  # the sum in the wire format, once complete
+    shared: bool = False  # whether ``acc`` lies in the model's output segment
+    wired: bool = False  # whether some worker pushed (and so pulls) through the wire
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
+class _Model:
+    """One prepared model's state on this shard."""
+
+    # Two slots per chunk, by step parity. A worker can push step s+2 only after
+    # every worker pushed s+1, i.e. after every worker has received step s's sum,
+    # so the slot of step s is free again by then and never reallocated.
+    slots: dict[tuple[int, int], _Slot] = field(default_factory=dict)
+    # Shared memory with workers of this node: one input segment per worker, and
+    # the sums in two output segments, by step parity as the slots.
+    inputs: dict[int, Segment] = field(default_factory=dict)
+    outputs: list[Segment] = field(default_factory=list)
+    lo: int = 0  # stream byte at which the segments start
+
+
+class SumShard(ShardBase):
+    """Sums one shard's gradient chunks across workers (sync mode).
+
+    Args:
+        shard_index: This shard's index, used in error messages.
+        num_workers: Number of workers whose pushes make up one step.
+        timeout_s: How long a push waits for the other workers before it fails.
+        compression: Wire format of pushes and sums through the object store.
+    """
+
+    def __init__(
+        self,
+        shard_index: int,
+        num_workers: int,
+        timeout_s: float,
+        compression: Compression | None = None,
+    ) -> None:
+        super().__init__(shard_index, num_workers, timeout_s)
+        self._codec = Codec(compression)
+        self._models: dict[int, _Model] = {}
+
+    def _model(self, model: int) -> _Model:
+        return self._models.setdefault(model, _Model())
+
+    def attach(
+        self, model: int, rank: int, inputs: SegmentHandle, lo: int, nbytes: int
+    ) -> tuple[SegmentHandle, ...]:
+        """Connects a worker of this node through shared memory, for one model.
+
+        From then on the worker writes its chunks into its ``inputs`` segment and
+        calls :meth:`push_local` with only the chunk's coordinates; it reads the sum
+        from the returned output segments (byte ``key - lo`` of segment
+        ``step % 2``).
+
+        Args:
+            model: The prepared model's id.
+            rank: The worker's world rank.
+            inputs: The worker's segment for this shard's range of the stream.
+            lo: Stream byte at which the segments start.
+            nbytes: Size of this shard's segments.
+
+        Returns:
+            Handles of the two output segments (even steps, odd steps).
+
+        Raises:
+            ShardProtocolError: If workers describe the shard's range differently.
+        """
+        self._check(model, rank)
+        state = self._model(model)
+        if not state.outputs:
+            state.lo = lo
+            state.outputs = [Segment.create(nbytes), Segment.create(nbytes)]
+        elif (lo, nbytes) != (state.lo, state.outputs[0].handle.nbytes):
+            raise ShardProtocolError(
+                f"shard {self.shard_index}: model {model}: rank {rank} describes the "
+                f"shard's range as {nbytes} bytes at {lo}, others as "
+                f"{state.outputs[0].handle.nbytes} at {state.lo}; the workers' models differ."
+            )
+        state.inputs[rank] = Segment.open(inputs)
+        return tuple(s.handle for s in state.outputs)
+
+    async def push_local(
+        self, model: int, step: int, key: int, rank: int, dtype: str, numel: int
+    ) -> None:
+        """Like :meth:`push_pull` for a worker attached through shared memory.
+
+        The chunk is read from the worker's input segment; the sum is left in the
+        output segment of ``step % 2``; the reply carries no data.
+        """
+        self._check(model, rank, dtype)
+        state = self._model(model)
+        if rank not in state.inputs:
+            raise ShardProtocolError(
+                f"shard {self.shard_index}: model {model}: rank {rank} pushed through "
+                "shared memory without attaching first."
+            )
+        grad = state.inputs[rank].view(key - state.lo, dtype, numel)
+        with self._queued():
+            await self._push_pull(model, step, key, rank, grad, grad.nbytes, wire=False)
+
+    async def push_pull(
+        self, model: int, step: int, key: int, rank: int, grad: np.ndarray, dtype: str
+    ) -> np.ndarray:
+        """Adds one worker's chunk and returns the sum once all workers pushed it.
+
+        A second push of the same (step, key) by the same rank — a retried or
+        duplicated message — is not added again; it just receives the sum.
+
+        Args:
+            model: The prepared model's id.
+            step: The worker's synchronisation round, counted from 1.
+            key: The chunk's byte offset in the model's gradient stream.
+            rank: The pushing worker's world rank.
+            grad: The chunk, already divided by the world size, in the wire format.
+            dtype: The model's gradient dtype, in which the shard sums.
+
+        Returns:
+            The sum of all workers' chunks for this step, in the wire format.
+
+        Raises:
+            ShardTimeoutError: If the other workers do not push within the timeout.
+            ShardProtocolError: If the step does not follow the chunk's current
+                step, or an argument is out of range.
+        """
+        self._check(model, rank, dtype)
+        with self._queued():
+            values = self._codec.decode_np(grad, dtype)  # sums in the model's dtype
+            out = await self._push_pull(model, step, key, rank, values, grad.nbytes, wire=True)
+        assert out is not None  # a push by wire is answered by wire
+        return out
+
+    async def _push_pull(
+        self,
+        model: int,
+        step: int,
+        key: int,
+        rank: int,
+        grad: np.ndarray,
+        nbytes: int,
+        wire: bool,
+    ) -> np.ndarray | None:
+        slot = self._slot_for(model, step, key, grad)
+        slot.wired = slot.wired or wire
+        if rank in slot.ranks:
+            self._duplicates += 1
+        else:
+            if slot.ranks:
+                np.add(slot.acc, grad, out=slot.acc)
+            else:
+                np.copyto(slot.acc, grad)
+            slot.ranks.add(rank)
+            self._pushes += 1
+            self._bytes_in += nbytes
+            if len(slot.ranks) == self.num_workers:
+                self._complete(model, slot, key)
+        if not slot.done.is_set():
+            try:
+                await asyncio.wait_for(slot.done.wait(), self.timeout_s)
+            except asyncio.TimeoutError:
+                missing = sorted(set(range(self.num_workers)) - slot.ranks)
+                raise ShardTimeoutError(
+                    f"shard {self.shard_index}: model {model}: step {step}, chunk at byte "
+                    f"{key} waited {self.timeout_s:g}s for workers {missing}; a worker is "
+                    "stuck, dead or its model differs. Raise PSConfig.ps_timeout_s if "
+                    "steps are slow."
+                ) from None
+        if not wire or not self._codec.active:
+            self._bytes_out += slot.acc.nbytes
+            return slot.acc if wire else None  # shared memory: the worker reads it there
+        assert slot.wire is not None  # set by _complete: this push came by wire
+        self._bytes_out += slot.wire.nbytes
+        return slot.wire
+
+    def _complete(self, model: int, slot: _Slot, key: int) -> None:
+        """Makes the finished sum readable by every worker, then releases them."""
+        state = self._models[model]
+        if state.outputs and not slot.shared:
+            # The slot began before a worker attached (only possible in step 1).
+            out = self._output_view(state, slot.step, key, slot.acc)
+            np.copyto(out, slot.acc)
+            slot.acc, slot.shared = out, True
+        if self._codec.active and slot.wired:
+            # Some workers receive the sum on the wire: round it once, in place, so a
+            # worker reading shared memory gets exactly the values they decode. (When
+            # every worker shares memory, nothing is encoded and nothing rounded.)
+            slot.wire = self._codec.encode_np(slot.acc)
+            np.copyto(slot.acc, self._codec.decode_np(slot.wire, slot.acc.dtype.name))
+        slot.done.set()
+
+    @staticmethod
+    def _output_view(state: _Model, step: int, key: int, like: np.ndarray) -> np.ndarray:
+        return state.outputs[step % 2].view(key - state.lo, like.dtype, like.size)
+
+    def _slot_for(self, model: int, step: int, key: int, grad: np.ndarray) -> _Slot:
+        state = self._model(model)
+        slot = state.slots.get((key, step % 2))
+        where = f"shard {self.shard_index}: model {model}: step {step}, chunk at byte {key}"
+        if slot is not None and slot.step == step:
+            if slot.acc.shape != grad.shape or slot.acc.dtype != grad.dtype:
+                raise ShardProtocolError(
+                    f"{where} got {grad.dtype}{list(grad.shape)} after {slot.acc.dtype}"
+                    f"{list(slot.acc.shape)}; the workers' models differ."
+                )
+            return slot
+        if slot is not None and slot.step > step:
+            raise ShardProtocolError(
+                f"{where}: the push arrived after step {slot.step}; the workers are out of step."
+            )
+        if slot is not None and not slot.done.is_set():
+            raise ShardProtocolError(
+                f"{where} started while step {slot.step} still waits for workers "
+                f"{sorted(set(range(self.num_workers)) - slot.ranks)}."
+            )
+        shared = bool(state.outputs)
+        if shared:
+            acc = self._output_view(state, step, key, grad)
+        elif slot is not None and slot.acc.shape == grad.shape and slot.acc.dtype == grad.dtype:
+            acc = slot.acc  # reuse the buffer: no allocation in the steady state
+        else:
+            acc = np.empty_like(grad)
+        slot = _Slot(step=step, acc=acc, shared=shared)
+        state.slots[(key, step % 2)] = slot
+        return slot

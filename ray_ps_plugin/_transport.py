@@ -1,0 +1,221 @@
+"""How a worker reaches the shards, for every mode: calls, waits, errors, lanes.
+
+A worker makes non-blocking calls to shard actors (:meth:`Transport.call`) and later
+waits for their results with a bound (:meth:`Transport.wait`). Shards on the
+worker's own node can also be reached through shared memory: a :class:`Lane` holds
+the worker's input segment and the shard's output segments, and only a small
+control call travels through Ray. Unit tests substitute a fake transport that runs
+real shard objects on an in-process event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ray_ps_plugin import _shm as shm
+from ray_ps_plugin._errors import PSError, PSTimeoutError, WaitTimeout
+from ray_ps_plugin._shm import Segment, SegmentHandle
+
+__all__ = ["Lane", "RayTransport", "Transport", "open_lanes", "wait_all"]
+
+logger = logging.getLogger(__name__)
+
+# How long a shard may take to answer a liveness ping after a wait timed out; a
+# shard that answers within this is alive (it was waiting for someone else).
+PING_TIMEOUT_S = 5.0
+
+
+class Transport(Protocol):
+    """How a worker's calls reach the shard actors; the real one is Ray."""
+
+    def call(self, shard: int, method: str, *args: Any) -> Any:
+        """Starts ``method(*args)`` on a shard; returns a handle to its result."""
+        ...
+
+    def attach(
+        self, shard: int, model: int, rank: int, inputs: SegmentHandle, lo: int, nbytes: int
+    ) -> tuple[SegmentHandle, ...]:
+        """Connects through shared memory (blocking); returns the output segments."""
+        ...
+
+    def done(self, handles: Sequence[Any]) -> bool:
+        """Whether every handle's result is available, without waiting."""
+        ...
+
+    def wait(self, handles: Sequence[Any], timeout_s: float) -> list[Any]:
+        """Waits for all results; raises ``WaitTimeout`` after ``timeout_s``."""
+        ...
+
+    def silent(self, shards: Sequence[int], timeout_s: float) -> list[int]:
+        """The shards among ``shards`` that do not answer a ping within ``timeout_s``."""
+        ...
+
+
+class RayTransport:
+    """Calls shard actors through Ray; bulk arguments travel in the object store.
+
+    Args:
+        servers: The shard actor handles, in shard order.
+        timeout_s: Bound on the blocking calls (``attach``).
+    """
+
+    def __init__(self, servers: Sequence[Any], timeout_s: float) -> None:
+        self._servers = list(servers)
+        self._timeout_s = timeout_s
+
+    def call(self, shard: int, method: str, *args: Any) -> Any:
+        # Ray serialises the arguments inside .remote(): buffers passed here may be
+        # reused as soon as this returns.
+        return getattr(self._servers[shard], method).remote(*args)
+
+    def attach(
+        self, shard: int, model: int, rank: int, inputs: SegmentHandle, lo: int, nbytes: int
+    ) -> tuple[SegmentHandle, ...]:
+        import ray
+
+        call = self._servers[shard].attach.remote(model, rank, inputs, lo, nbytes)
+        return tuple(ray.get(call, timeout=self._timeout_s))
+
+    def done(self, handles: Sequence[Any]) -> bool:
+        import ray
+
+        ready, _ = ray.wait(list(handles), num_returns=len(handles), timeout=0, fetch_local=False)
+        return len(ready) == len(handles)
+
+    def wait(self, handles: Sequence[Any], timeout_s: float) -> list[Any]:
+        import ray
+
+        try:
+            return list(ray.get(list(handles), timeout=timeout_s))
+        except ray.exceptions.GetTimeoutError as e:
+            raise WaitTimeout(str(e)) from e
+
+    def silent(self, shards: Sequence[int], timeout_s: float) -> list[int]:
+        import ray
+
+        from ray_ps_plugin._ray_compat import ping_actor
+
+        refs = {s: ping_actor(self._servers[s]) for s in shards}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+        answered = set()
+        for s, ref in refs.items():
+            if ref in ready:
+                try:
+                    ray.get(ref, timeout=0)
+                    answered.add(s)
+                except Exception:
+                    pass
+        return [s for s in shards if s not in answered]
+
+
+def _failed(transport: Transport, handles: Sequence[Any]) -> list[int]:
+    """Indices of the calls that failed (rather than still running)."""
+    failed = []
+    for i, handle in enumerate(handles):
+        try:
+            transport.wait([handle], 0.01)
+        except WaitTimeout:
+            continue
+        except Exception:
+            failed.append(i)
+    return failed
+
+
+def wait_all(
+    transport: Transport,
+    handles: Sequence[Any],
+    shards: Sequence[int],
+    timeout_s: float,
+    where: str,
+) -> list[Any]:
+    """Waits for a batch of calls; turns every failure into a ``PSError`` naming the
+    shard(s) to look at.
+
+    Args:
+        transport: Where the calls were made.
+        handles: The calls.
+        shards: The shard of each call.
+        timeout_s: The bound on the wait (``ps_timeout_s``).
+        where: Rank and step or clock, for the message.
+
+    Raises:
+        PSTimeoutError: The wait ran out; names the shards that stop answering a
+            ping, or, if all answer, every shard waited for (a worker is missing).
+            Also raised for a shard's own timeout, with the shard's message.
+        PSError: A call failed (e.g. a dead shard); names the shard(s) whose call
+            failed.
+    """
+    try:
+        return transport.wait(handles, timeout_s)
+    except WaitTimeout:
+        waited = sorted(set(shards))
+        silent = transport.silent(waited, min(PING_TIMEOUT_S, timeout_s))
+        bound = f"did not answer within ps_timeout_s={timeout_s:g}s"
+        if silent:
+            message = (
+                f"{where}: server shard(s) {silent} {bound} and stopped answering pings: "
+                "the shard process is stuck or dead."
+            )
+        else:
+            message = (
+                f"{where}: server shard(s) {waited} {bound}; they answer pings, so they "
+                "wait for a worker that is slow, stuck or dead. Raise "
+                "PSConfig.ps_timeout_s if steps are legitimately slower."
+            )
+        raise PSTimeoutError(message) from None
+    except Exception as e:
+        failed = sorted({shards[i] for i in _failed(transport, handles)}) or sorted(set(shards))
+        # A shard's own timeout (it waited for a worker) stays a timeout, with the
+        # shard's message naming the workers it waited for.
+        error = PSTimeoutError if isinstance(e, TimeoutError) else PSError
+        raise error(f"{where}: server shard(s) {failed} failed: {e}") from e
+
+
+@dataclass
+class Lane:
+    """Shared memory between this worker and one shard of its node, for one model.
+
+    Attributes:
+        lo: Byte at which the segments start in the model's stream (sync) or 0.
+        inputs: What this worker writes for the shard (gradient chunks, deltas).
+        outputs: What the shard answers in (sums by step parity; parameters by
+            the slot the worker names).
+    """
+
+    lo: int
+    inputs: Segment
+    outputs: tuple[Segment, ...]
+
+    def close(self) -> None:
+        for seg in (self.inputs, *self.outputs):
+            seg.close()
+
+
+def open_lanes(
+    transport: Transport, model: int, spans: Mapping[int, tuple[int, int]], rank: int
+) -> dict[int, Lane]:
+    """Attaches this worker to the shards of its node through shared memory.
+
+    Args:
+        transport: Where the shards are.
+        model: The prepared model's id on the shards.
+        spans: ``(lo, nbytes)`` per shard: where its segments start in the model's
+            byte stream and how large they are.
+        rank: This worker's rank.
+
+    Returns:
+        One lane per shard that could be attached (see
+        :func:`~ray_ps_plugin._shm.attach_each` for those that cannot).
+    """
+
+    def attach(s: int, created: list[Segment]) -> Lane:
+        lo, nbytes = spans[s]
+        created.append(Segment.create(nbytes))
+        handles = transport.attach(s, model, rank, created[0].handle, lo, nbytes)
+        created.extend(Segment.open(h) for h in handles)
+        return Lane(lo, created[0], tuple(created[1:]))
+
+    return shm.attach_each(sorted(spans), rank, attach)

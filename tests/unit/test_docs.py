@@ -1,0 +1,92 @@
+"""The docs against what they cite: measured figures, tests and source files.
+
+Fast and without Ray: reads Markdown, JSON and CSV only.
+"""
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+# `tests/unit/test_x.py::test_name`, or `::test_name` for the file named last before it.
+TEST_REF = re.compile(r"`(?P<path>tests/[\w/]+\.py)?::(?P<name>\w+)`")
+# A backticked file name such as `config.py`, `_sync/client.py` or `tests/unit/fakes.py`.
+FILE_REF = re.compile(r"`(?P<path>[\w/]+\.py)`")
+# Files of the reader's own project that the docs use in examples.
+USER_FILES = {"train.py"}
+
+
+def _render_docs():
+    spec = importlib.util.spec_from_file_location(
+        "render_docs", ROOT / "benchmarks" / "render_docs.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _cited_tests():
+    """(doc, test file, test name) of every ``path::name`` reference in the docs."""
+    refs = []
+    for doc in DOCS:
+        path = None
+        for m in TEST_REF.finditer(doc.read_text()):
+            path = m["path"] or path
+            refs.append((doc.relative_to(ROOT).as_posix(), path, m["name"]))
+    return refs
+
+
+def test_generated_figures_match_the_benchmark_results():
+    stale = _render_docs().stale_blocks()
+    assert not stale, (
+        "docs differ from benchmarks/results; run `python benchmarks/render_docs.py`:\n"
+        + "\n".join(stale)
+    )
+
+
+def test_the_check_exits_zero_when_nothing_is_stale():
+    assert _render_docs().main(["--check"]) == 0
+
+
+def test_a_stale_or_broken_block_is_reported():
+    rd = _render_docs()
+    text = "a <!-- generated: step_ratio ps_sync -->9.99×<!-- end generated --> b"
+    new, stale = rd.render_text(text, "x.md")
+    assert stale == ["x.md: step_ratio ps_sync"] and "9.99×" not in new
+    with pytest.raises(rd.RenderError, match="unknown renderer"):
+        rd.render_text("<!-- generated: nope -->x<!-- end generated -->", "x.md")
+    with pytest.raises(rd.RenderError, match="no matching end marker"):
+        rd.render_text("<!-- generated: step_ratio ps_sync -->x", "x.md")
+
+
+def test_every_cited_test_exists():
+    refs = _cited_tests()
+    assert len(refs) > 20, "the reference pattern no longer matches the docs"
+    missing = []
+    for doc, path, name in refs:
+        if path is None:
+            missing.append(f"{doc}: ::{name} follows no test file")
+            continue
+        source = ROOT / path
+        if not source.is_file():
+            missing.append(f"{doc}: {path} does not exist")
+        elif not re.search(rf"^\s*(async\s+)?def {name}\(", source.read_text(), re.M):
+            missing.append(f"{doc}: {path} has no test {name}")
+    assert not missing, "\n".join(missing)
+
+
+def test_every_cited_source_file_exists():
+    """A module named in the docs is a path from the repository root or the package."""
+    missing = []
+    for doc in DOCS:
+        for m in FILE_REF.finditer(doc.read_text()):
+            path = m["path"]
+            if path in USER_FILES:
+                continue
+            if not ((ROOT / path).is_file() or (ROOT / "ray_ps_plugin" / path).is_file()):
+                missing.append(f"{doc.relative_to(ROOT).as_posix()}: {path}")
+    assert not missing, "\n".join(missing)

@@ -1,0 +1,238 @@
+"""ParamShard: ownership, clocks, duplicates and the staleness bound."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
+from ray_ps_plugin._param.shard import ParamShard
+from tests.unit.fakes import LoggedParamShard
+from ray_ps_plugin._shm import Segment
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def _arr(*values):
+    return np.array(values, dtype=np.float32)
+
+
+def test_updates_are_averaged_into_the_owned_parameters():
+    async def main():
+        s = ParamShard(0, num_workers=2, staleness=None, timeout_s=5)
+        assert await s.init(0, _arr(1, 1, 1))
+        assert not await s.init(0, _arr(9, 9, 9))  # only the first init counts
+        await s.push_pull(0, 0, 1, _arr(2, 0, 0))
+        params, clocks, slowest = await s.push_pull(0, 1, 1, _arr(0, 4, 0))
+        return params, clocks, slowest
+
+    params, clocks, slowest = _run(main())
+    np.testing.assert_array_equal(params, _arr(2, 3, 1))  # 1 + delta / 2
+    assert clocks == (1, 1) and slowest == 1
+
+
+def test_a_duplicated_push_is_applied_once():
+    async def main():
+        s = ParamShard(0, num_workers=2, staleness=None, timeout_s=5)
+        await s.init(0, _arr(0, 0))
+        await s.push_pull(0, 0, 1, _arr(2, 2))
+        params, clocks, _ = await s.push_pull(0, 0, 1, _arr(2, 2))  # redelivered
+        return params, clocks, s.stats()
+
+    params, clocks, stats = _run(main())
+    np.testing.assert_array_equal(params, _arr(1, 1))
+    assert clocks == (1, 0)
+    assert stats["pushes"] == 1 and stats["duplicates"] == 1
+
+
+def test_a_missing_update_is_an_error_not_a_silent_gap():
+    async def main():
+        s = ParamShard(3, num_workers=1, staleness=None, timeout_s=5)
+        await s.init(0, _arr(0))
+        await s.push_pull(0, 0, 1, _arr(1))
+        await s.push_pull(0, 0, 3, _arr(1))
+
+    with pytest.raises(ShardProtocolError, match=r"shard 3: model 0: rank 0 .* clock 3 .* 2\.\.2 are missing"):
+        _run(main())
+
+
+def test_a_slice_of_another_shape_names_the_model_mismatch():
+    async def main():
+        s = ParamShard(0, num_workers=2, staleness=None, timeout_s=5)
+        await s.init(0, _arr(0, 0))
+        await s.push_pull(0, 1, 1, _arr(1, 1, 1))
+
+    with pytest.raises(ShardProtocolError, match="models differ"):
+        _run(main())
+
+
+def test_pushes_wait_for_the_initial_parameters_with_a_bound():
+    async def main():
+        s = ParamShard(0, num_workers=2, staleness=None, timeout_s=0.2)
+        await s.push_pull(0, 1, 1, _arr(1))
+
+    with pytest.raises(ShardTimeoutError, match="rank 0's initial parameters"):
+        _run(main())
+
+
+def test_ssp_holds_a_reader_until_the_slowest_is_within_the_bound():
+    async def main():
+        s = LoggedParamShard(0, num_workers=2, staleness=1, timeout_s=5)
+        await s.init(0, _arr(0))
+        await s.push_pull(0, 0, 1, _arr(2))  # clock 1, slowest 0: gap 1 <= 1, answered
+        fast = asyncio.ensure_future(s.push_pull(0, 0, 2, _arr(2)))  # gap 2 > 1: waits
+        await asyncio.sleep(0.05)
+        waited = not fast.done()
+        await s.push_pull(0, 1, 1, _arr(2))  # slowest reaches 1
+        params, clocks, slowest = await asyncio.wait_for(fast, 1)
+        return waited, params, clocks, slowest, s.reads
+
+    waited, params, clocks, slowest, reads = _run(main())
+    assert waited
+    assert clocks == (2, 1) and slowest == 1
+    np.testing.assert_array_equal(params, _arr(3))
+    assert len(reads) == 3 and all(clock - included <= 1 for _, clock, included in reads)
+
+
+def test_ssp_zero_is_bulk_synchronous():
+    async def main():
+        s = ParamShard(0, num_workers=2, staleness=0, timeout_s=5)
+        await s.init(0, _arr(0))
+        a = asyncio.ensure_future(s.push_pull(0, 0, 1, _arr(2)))
+        await asyncio.sleep(0.05)
+        assert not a.done()
+        b = await s.push_pull(0, 1, 1, _arr(4))
+        return (await a)[0], b[0]
+
+    a, b = _run(main())
+    np.testing.assert_array_equal(a, _arr(3))
+    np.testing.assert_array_equal(a, b)  # both see both updates
+
+
+def test_ssp_timeout_names_the_slow_worker_and_its_clock():
+    async def main():
+        s = ParamShard(1, num_workers=3, staleness=0, timeout_s=0.2)
+        await s.init(0, _arr(0))
+        await asyncio.gather(s.push_pull(0, 2, 1, _arr(1)), s.push_pull(0, 0, 1, _arr(1)))
+
+    with pytest.raises(ShardTimeoutError, match=r"shard 1: model 0: rank \d at clock 1 .* workers \[1\] \(clocks \{1: 0\}\)"):
+        _run(main())
+
+
+def test_a_finished_worker_no_longer_holds_the_others_back():
+    async def main():
+        s = ParamShard(0, num_workers=2, staleness=0, timeout_s=5)
+        await s.init(0, _arr(0))
+        waiting = asyncio.ensure_future(s.push_pull(0, 0, 1, _arr(2)))
+        await asyncio.sleep(0.05)
+        await s.finish(0, 1)
+        return await asyncio.wait_for(waiting, 1)
+
+    params, clocks, slowest = _run(main())
+    np.testing.assert_array_equal(params, _arr(1))
+    assert clocks == (1, 0) and slowest == 1
+
+
+def test_a_reply_is_a_snapshot_later_updates_do_not_change():
+    async def main():
+        s = ParamShard(0, num_workers=1, staleness=None, timeout_s=5)
+        await s.init(0, _arr(0))
+        first, _, _ = await s.push_pull(0, 0, 1, _arr(1))
+        await s.push_pull(0, 0, 2, _arr(1))
+        return first
+
+    np.testing.assert_array_equal(_run(main()), _arr(1))
+
+
+def test_shared_memory_push_answers_in_the_slot_the_worker_names():
+    async def main():
+        s = ParamShard(0, num_workers=1, staleness=None, timeout_s=5)
+        await s.init(0, _arr(1, 1, 1))
+        inputs = Segment.create(12)
+        out0, out1 = (Segment.open(h) for h in s.attach(0, 0, inputs.handle, 0, 12))
+        inputs.view(0, np.float32, 3)[:] = _arr(1, 2, 3)
+        reply = await s.push_local(0, 0, 1, slot=1)
+        first = out1.view(0, np.float32, 3).copy()
+        inputs.view(0, np.float32, 3)[:] = _arr(1, 1, 1)
+        await s.push_local(0, 0, 2, slot=0)  # the reply of clock 1 stays untouched
+        await s.pull_local(0, 0, 2, slot=1)
+        return reply, first, out0.view(0, np.float32, 3), out1.view(0, np.float32, 3)
+
+    (arr, clocks, slowest), first, out0, out1 = _run(main())
+    assert arr is None and clocks == (1,) and slowest == 1  # the data went to memory
+    np.testing.assert_array_equal(first, _arr(2, 3, 4))
+    np.testing.assert_array_equal(out0, _arr(3, 4, 5))
+    np.testing.assert_array_equal(out1, _arr(3, 4, 5))
+
+
+def test_a_shared_memory_slice_of_another_size_names_the_model_mismatch():
+    async def main():
+        s = ParamShard(0, num_workers=1, staleness=None, timeout_s=5)
+        await s.init(0, _arr(1, 1, 1))
+        inputs = Segment.create(8)
+        s.attach(0, 0, inputs.handle, 0, 8)
+        await s.push_local(0, 0, 1, slot=1)
+
+    with pytest.raises(ShardProtocolError, match="models differ"):
+        _run(main())
+
+
+def test_models_have_their_own_parameters_and_clocks():
+    async def main():
+        s = ParamShard(0, num_workers=1, staleness=None, timeout_s=5)
+        await s.init(0, _arr(1, 1))
+        await s.init(1, _arr(5, 5))
+        a = await s.push_pull(0, 0, 1, _arr(1, 1))
+        b = await s.push_pull(1, 0, 1, _arr(2, 2))  # clock 1 of model 1: not a duplicate
+        return a, b
+
+    a, b = _run(main())
+    np.testing.assert_array_equal(a.params, _arr(2, 2))
+    np.testing.assert_array_equal(b.params, _arr(7, 7))
+
+
+@pytest.mark.parametrize(
+    ("model", "rank"), [(0, -1), (0, 2), (-1, 0), (0, True), (0, "0")]
+)
+def test_ranks_and_models_from_callers_are_validated(model, rank):
+    async def main():
+        s = ParamShard(0, num_workers=2, staleness=None, timeout_s=5)
+        await s.init(0, _arr(0))
+        await s.push_pull(model, rank, 1, _arr(1))
+
+    with pytest.raises(ShardProtocolError, match=r"(model|rank) .* is not an int in \[0, "):
+        _run(main())
+
+
+def test_fp16_models_keep_fp32_master_parameters():
+    """A step smaller than fp16's resolution at 1.0 still adds up on the shard."""
+    async def main():
+        s = ParamShard(0, num_workers=1, staleness=None, timeout_s=5)
+        await s.init(0, np.ones(2, np.float16))
+        for clock in range(1, 9):
+            reply = await s.push_pull(0, 0, clock, np.full(2, 1e-4, np.float16))
+        return reply
+
+    reply = _run(main())
+    assert reply.params.dtype == np.float16
+    # 8 x 1e-4 on fp32 masters = 1.0008 -> fp16 1.0010 (fp16 steps would stay at 1.0)
+    assert reply.params[0] > 1.0
+
+
+def test_a_reseed_replaces_parameters_once_per_generation():
+    async def main():
+        s = ParamShard(0, num_workers=2, staleness=None, timeout_s=5)
+        await s.init(0, _arr(0, 0))
+        waiter = asyncio.ensure_future(s.wait_generation(0, 1, 1))
+        await asyncio.sleep(0.02)
+        blocked = not waiter.done()
+        await s.reseed(0, 1, _arr(3, 3))
+        await asyncio.wait_for(waiter, 1)
+        await s.reseed(0, 1, _arr(9, 9))  # a repeat of generation 1: ignored
+        return blocked, await s.pull(0, 0, 0)
+
+    blocked, reply = _run(main())
+    assert blocked
+    np.testing.assert_array_equal(reply.params, _arr(3, 3))

@@ -1,0 +1,88 @@
+"""Every Ray-internal name the plugin relies on still exists where _ray_compat says.
+
+A Ray release that moves one of them fails here, by name, rather than inside a run.
+"""
+
+import dataclasses
+import inspect
+
+import pytest
+import ray
+
+from ray_ps_plugin import _ray_compat
+
+
+def test_checked_against_the_installed_ray():
+    assert ray.__version__ == _ray_compat.CHECKED_RAY_VERSION, (
+        "Ray changed: re-check every touch in ray_ps_plugin/_ray_compat.py, then bump "
+        "CHECKED_RAY_VERSION"
+    )
+
+
+def test_torch_backend_hooks_exist():
+    for hook in ("on_start", "on_shutdown", "on_training_start"):
+        assert callable(getattr(_ray_compat.TorchBackend, hook))
+    assert inspect.isclass(_ray_compat.TorchConfigContextManager)
+
+
+def test_callback_bases_have_the_hooks_the_reaper_overrides():
+    assert callable(_ray_compat.ControllerCallback.after_controller_start)
+    assert callable(_ray_compat.ControllerCallback.before_controller_shutdown)
+    assert callable(_ray_compat.WorkerGroupCallback.after_worker_group_start)
+
+
+def test_worker_group_exposes_nodes_bundles_and_placement_group():
+    from ray.train.v2._internal.execution.worker_group.state import WorkerGroupState
+    from ray.train.v2._internal.execution.worker_group.worker import ActorMetadata, Worker
+    from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
+
+    assert {"metadata", "placement_group_bundle_index"} <= {
+        f.name for f in dataclasses.fields(Worker)
+    }
+    assert "node_id" in {f.name for f in dataclasses.fields(ActorMetadata)}
+    assert callable(WorkerGroup.get_workers) and callable(WorkerGroup.get_worker_group_state)
+    assert "placement_group_handle" in {f.name for f in dataclasses.fields(WorkerGroupState)}
+
+
+def test_places_and_placement_group_read_a_worker_group():
+    class _Meta:
+        node_id = "node-a"
+
+    class _Worker:
+        metadata = _Meta()
+        placement_group_bundle_index = 3
+
+    class _Group:
+        def get_workers(self):
+            return [_Worker()]
+
+        def get_worker_group_state(self):
+            raise ValueError("not started")
+
+    assert _ray_compat.worker_places(_Group()) == [_ray_compat.WorkerPlace("node-a", 3)]
+    assert _ray_compat.worker_placement_group(_Group()) is None
+
+
+def test_prepare_model_reads_a_module_global_that_can_be_swapped():
+    mods = _ray_compat.prepare_model_modules()
+    assert "ray.train.v2.torch.train_loop_utils" in [m.__name__ for m in mods]
+
+    class Marker:
+        pass
+
+    with _ray_compat.swap_prepare_model_ddp(Marker):
+        assert all(m.DistributedDataParallel is Marker for m in mods)
+    assert all(m.DistributedDataParallel is not Marker for m in mods)
+
+
+def test_no_module_to_swap_is_a_loud_error(monkeypatch):
+    monkeypatch.setattr(_ray_compat, "prepare_model_modules", lambda: [])
+    with pytest.raises(RuntimeError, match="could not find the DistributedDataParallel"):
+        with _ray_compat.swap_prepare_model_ddp(object):
+            pass
+
+
+def test_actor_table_is_available():
+    import ray._private.state
+
+    assert callable(ray._private.state.actors)
