@@ -104,6 +104,7 @@ class SumClient(ClientBase):
         self._lanes = dict(lanes)
         self._codec = Codec(setup.settings.compression)
         self._stream_offset = 0
+        self._round: list[torch.futures.Future[torch.Tensor]] = []  # this step's futures
         self._queue: queue.Queue[_Pending | None] = queue.Queue()
         self._thread = threading.Thread(
             target=self._complete_loop,
@@ -147,8 +148,10 @@ class SumClient(ClientBase):
             with self._lock:
                 self._stats.steps += 1
                 self._stats.clock = self._stats.steps
+            self._round = []
             self._queue_error_check()
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        self._round.append(fut)
         if buf.numel() == 0:
             # A bucket of empty parameters carries nothing to synchronise.
             fut.set_result(buf)
@@ -211,10 +214,23 @@ class SumClient(ClientBase):
         return fut
 
     def _queue_error_check(self) -> None:
-        """Raises a failed round's error at the end of this backward pass."""
+        """Raises a failed round's error from this ``backward()`` itself.
+
+        The callback runs once the whole graph has run, so every bucket of the round
+        has been handed to the hook. It waits for the round's futures (the comm
+        thread completes each within ``ps_timeout_s`` plus the pings, whatever
+        happens; DDP waits for the same futures next) and raises a kept error, which
+        autograd passes to the caller of ``backward()`` unchanged.
+        """
+        round_ = self._round
+
+        def check() -> None:
+            for fut in round_:
+                fut.wait()
+            self.raise_pending()
+
         try:
-            engine = torch.autograd.Variable._execution_engine
-            engine.queue_callback(self.raise_pending)
+            torch.autograd.Variable._execution_engine.queue_callback(check)
         except Exception:
             logger.debug("no autograd callback; errors surface at optimizer.step()")
 

@@ -159,6 +159,28 @@ def test_a_silent_peer_fails_the_step_with_the_real_error_not_a_hang(loop):
         c.close()
 
 
+def test_the_error_is_raised_by_backward_itself(loop):
+    """Inside a real backward pass, the round's PSTimeoutError comes out of
+    ``backward()`` with its type and message, not as torch's RuntimeError."""
+    (c0, c1), _ = _clients(loop, 2, num_servers=2, total_bytes=80, chunk_bytes=1024, timeout_s=0.2)
+
+    class PushInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            c0.hook(None, FakeBucket(0, grad.detach().clone()))  # rank 1 never pushes
+            return grad
+
+    x = torch.ones(20, requires_grad=True)
+    with pytest.raises(PSTimeoutError, match=r"rank 0: model 0: step 1: server shard"):
+        PushInBackward.apply(x).sum().backward()
+    c0.close()
+    c1.close()
+
+
 def test_a_stopped_shard_is_named_as_the_one_not_answering(loop):
     clients, transport = _clients(
         loop, 2, num_servers=2, total_bytes=80, chunk_bytes=1024, timeout_s=0.2
