@@ -1,0 +1,540 @@
+"""Regenerates every measured figure in the docs from ``benchmarks/results``.
+
+A figure that comes from a benchmark is never typed by hand. In ``README.md`` and
+``docs/*.md`` it lies between two marker comments, which Markdown renders invisibly::
+
+    <!-- generated: step_ratio ps_sync -->0.86×<!-- end generated -->
+
+The first word names a renderer below, the other words are its arguments. Renderers
+of tables (``*_table``) produce whole blocks; the others produce a few words inside a
+sentence. Usage::
+
+    python benchmarks/render_docs.py            # rewrite the blocks in place
+    python benchmarks/render_docs.py --check    # exit 1 and list the stale blocks
+
+``tests/unit/test_docs.py`` runs the check, so the docs cannot drift from the
+results. The script reads only JSON and CSV files: no Ray, no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import functools
+import json
+import re
+import statistics
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+
+BLOCK = re.compile(r"<!-- generated: (?P<spec>[^>]*?) -->(?P<body>.*?)<!-- end generated -->", re.S)
+OPENING = re.compile(r"<!-- generated: ")
+CLOSING = re.compile(r"<!-- end generated -->")
+
+# Rows printed in bold: the variants each section is about (a presentation choice).
+EMPHASIS = {
+    "step_time": {"ps_sync", "ps_async"},
+    "straggler": {"ps_async+straggler"},
+    "resnet18": {"ps_async"},
+}
+# Labels of step-time variants that need a word of explanation in the table.
+STEP_TIME_LABELS = {
+    "ps_sync": "`ps_sync` (shared memory, the default)",
+    "ps_sync_objstore": "`ps_sync_objstore` (`shared_memory=False`)",
+}
+
+
+class RenderError(ValueError):
+    """A marker names an unknown renderer, has wrong arguments, or lacks its end."""
+
+
+# --- reading the results ---------------------------------------------------------------
+@functools.cache
+def _json(name: str) -> Any:
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+@functools.cache
+def _csv(name: str) -> tuple[dict[str, Any], ...]:
+    with (RESULTS / f"{name}.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    return tuple({k: (v if k == "variant" else float(v)) for k, v in row.items()} for row in rows)
+
+
+def _point(file: str, variant: str, params_m: float, workers: int) -> dict[str, Any]:
+    for row in _csv(file):
+        if (
+            row["variant"] == variant
+            and round(row["params"] / 1e6) == round(params_m)
+            and int(row["workers"]) == workers
+        ):
+            return row
+    raise RenderError(
+        f"{file}.csv has no row {variant}, {params_m} M parameters, {workers} workers"
+    )
+
+
+def _grid(file: str) -> list[tuple[float, int]]:
+    """(parameters, workers) of every point, in file order."""
+    seen: dict[tuple[float, int], None] = {}
+    for row in _csv(file):
+        seen.setdefault((row["params"], int(row["workers"])), None)
+    return list(seen)
+
+
+# --- formatting --------------------------------------------------------------------------
+def _x(ratio: float, digits: int = 2) -> str:
+    return f"{ratio:.{digits}f}×"
+
+
+def _bold(text: str, on: bool) -> str:
+    return f"**{text}**" if on else text
+
+
+def _and(items: Iterable[str]) -> str:
+    items = list(items)
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _command(script: str, args: dict[str, Any]) -> str:
+    """The command line that reproduces a run, from the arguments it recorded."""
+    words = [f"python benchmarks/{script}.py"]
+    for key, value in args.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            words.append(flag)
+        elif value is not False and value is not None:
+            words.append(f"{flag} {value}")
+    return " ".join(words)
+
+
+def _provenance(meta: str, script: str, raw: str) -> str:
+    m = _json(meta)
+    return (
+        f"Measured {m['date']} on {m['machine']}, torch {m['torch']}, Ray {m['ray']}. "
+        f"Command: `{_command(script, m['args'])}`. Raw data: `benchmarks/results/{raw}`."
+    )
+
+
+# --- step time (benchmarks/step_time.py) -------------------------------------------------
+def _step_ratio(variant: str) -> float:
+    rounds = [r for r in _json("step_time")["rounds"] if variant in r]
+    if not rounds:
+        raise RenderError(f"step_time.json has no variant {variant!r}")
+    return statistics.median(
+        r[variant]["median_step_s"] / r["ddp"]["median_step_s"] for r in rounds
+    )
+
+
+def step_time_table() -> str:
+    d = _json("step_time")
+    rows = [
+        [
+            STEP_TIME_LABELS.get(v, f"`{v}`"),
+            f"{ms:.1f}",
+            _bold(_x(_step_ratio(v)), v in EMPHASIS["step_time"]),
+        ]
+        for v, ms in d["median_step_ms"].items()
+    ]
+    table = _table(["variant", "median step (ms)", "ratio to DDP (median of rounds)"], rows)
+    return _provenance("step_time", "step_time", "step_time.json") + "\n\n" + table
+
+
+def step_ratio(variant: str) -> str:
+    """Median over rounds of the variant's step time over DDP's, e.g. ``0.86×``."""
+    return _x(_step_ratio(variant))
+
+
+def round_ms(variant: str) -> str:
+    """The variant's median step in each round, e.g. ``41.8 and 53.0 ms``."""
+    rounds = [r[variant] for r in _json("step_time")["rounds"] if variant in r]
+    return _and(f"{r['median_step_s'] * 1e3:.1f}" for r in rounds) + " ms"
+
+
+def step_bytes() -> str:
+    """Bytes moved per worker and step by sync PS against the minimum."""
+    d = _json("step_time")
+    ratio = d["bytes_over_minimum"]
+    return (
+        f"{d['ps_bytes_per_worker_step'] / 1e6:.2f} MB against a minimum of "
+        f"{d['min_bytes_per_worker_step'] / 1e6:.2f} MB, ratio **{ratio:.3f}** "
+        f"(target ≤ 1.05: {'met' if ratio <= 1.05 else 'not met'})"
+    )
+
+
+def step_calls() -> str:
+    """Remote calls per worker, step and shard of sync PS."""
+    calls = _json("step_time")["calls_per_step_per_shard"]
+    return f"**{calls:.2f}** (target ≤ 2: {'met' if calls <= 2 else 'not met'})"
+
+
+# --- stragglers (benchmarks/straggler.py) ------------------------------------------------
+def _label(key: str) -> str:
+    return key.replace("+straggler", " + straggler")
+
+
+def straggler_table() -> str:
+    d = _json("straggler")
+    last = d["rounds"][-1]
+    rows = [
+        [
+            _label(k),
+            f"{d['samples_per_s'][k]:.0f}",
+            _bold(_x(d["throughput_ratio_to_ddp"][k]), k in EMPHASIS["straggler"]),
+            _x(d["rank0_step_ratio_to_ddp"][k]),
+            ", ".join(str(s) for s in last[k]["staleness_max"]),
+        ]
+        for k in d["samples_per_s"]
+    ]
+    header = [
+        "variant",
+        "samples/s (both workers)",
+        "throughput / DDP",
+        "rank-0 step / DDP",
+        "staleness max (rank 0, rank 1), last round",
+    ]
+    return _provenance("straggler", "straggler", "straggler.json") + "\n\n" + _table(header, rows)
+
+
+def straggler_ratio(key: str) -> str:
+    """Throughput over DDP's (with a straggler: over DDP's with one), e.g. ``1.89×``."""
+    return _x(_json("straggler")["throughput_ratio_to_ddp"][key])
+
+
+def straggler_step_ratio(key: str) -> str:
+    """Rank 0's median step over DDP's rank 0, e.g. ``0.35×``."""
+    return _x(_json("straggler")["rank0_step_ratio_to_ddp"][key])
+
+
+def straggler_staleness(key: str, rank: str) -> str:
+    """A rank's largest clock gap in the last round."""
+    return str(_json("straggler")["rounds"][-1][key]["staleness_max"][int(rank)])
+
+
+def straggler_sleep() -> str:
+    """How long the straggler sleeps after every step."""
+    return f"{_json('straggler')['args']['sleep_ms']:g} ms"
+
+
+def straggler_rounds(key: str) -> str:
+    """Per-round throughput of ``key`` against DDP's, with the per-round ratios."""
+    base = "ddp+straggler" if key.endswith("+straggler") else "ddp"
+    rounds = _json("straggler")["rounds"]
+    own = _and(f"{r[key]['samples_per_s']:.0f}" for r in rounds)
+    ddp = _and(f"{r[base]['samples_per_s']:.0f}" for r in rounds)
+    ratios = _and(_x(r[key]["samples_per_s"] / r[base]["samples_per_s"]) for r in rounds)
+    return f"{own} samples/s against DDP's {ddp} ({ratios})"
+
+
+def digits_table() -> str:
+    d = _json("straggler")
+    curves = d["curves"]
+    fastest = min(curves, key=lambda m: curves[m][-1][0])
+    rows = [
+        [m, _bold(f"{c[-1][0]:.1f} s", m == fastest), f"{d['final_digits_accuracy'][m]:.3f}"]
+        for m, c in curves.items()
+    ]
+    header = [
+        "mode",
+        f"rank 0's {d['args']['digits_steps']} steps took",
+        "final test accuracy (rank 0)",
+    ]
+    return _table(header, rows)
+
+
+def digits_gap(better: str, worse: str) -> str:
+    """Final-accuracy difference in percentage points, e.g. ``1.5``."""
+    acc = _json("straggler")["final_digits_accuracy"]
+    return f"{(acc[better] - acc[worse]) * 100:.1f}"
+
+
+def digits_reach(mode: str, accuracy: str) -> str:
+    """Wall time until rank 0's test accuracy first reached ``accuracy``."""
+    for t, a in _json("straggler")["curves"][mode]:
+        if a >= float(accuracy):
+            return f"{t:.1f} s"
+    return "never"
+
+
+# --- cost curves (benchmarks/cost_curves.py) ---------------------------------------------
+def _ms(row: dict[str, Any]) -> str:
+    return f"{row['step_ms']:.0f}"
+
+
+def _vs_ddp(file: str, variant: str, params: float, workers: int) -> float:
+    ddp = _point(file, "ddp", params / 1e6, workers)["step_ms"]
+    return _point(file, variant, params / 1e6, workers)["step_ms"] / ddp
+
+
+def cost_table() -> str:
+    """The sweep before shared memory: compute, DDP, PS-sync, PS-async."""
+    f = "cost_curves"
+    rows = []
+    for params, workers in _grid(f):
+        m = params / 1e6
+        compute = _point(f, "compute", m, workers)
+        if workers == 1:
+            rows.append(
+                [
+                    f"{m:.1f}",
+                    "1",
+                    _ms(compute),
+                    "= compute",
+                    "= compute",
+                    "= compute",
+                    "0",
+                    f"{compute['peak_rss_mb']:.0f}",
+                ]
+            )
+            continue
+        ddp, sync, asy = (_point(f, v, m, workers) for v in ("ddp", "ps_sync", "ps_async"))
+        rows.append(
+            [
+                f"{m:.1f}",
+                str(workers),
+                _ms(compute),
+                _ms(ddp),
+                f"{_ms(sync)} ({_x(_vs_ddp(f, 'ps_sync', params, workers), 1)})",
+                f"{_ms(asy)} ({_x(_vs_ddp(f, 'ps_async', params, workers), 1)})",
+                f"{sync['bytes_per_step'] / 1e6:.0f}",
+                " / ".join(f"{r['peak_rss_mb']:.0f}" for r in (ddp, sync, asy)),
+            ]
+        )
+    header = [
+        "params (M)",
+        "workers",
+        "compute ms",
+        "DDP ms",
+        "PS-sync ms (×DDP)",
+        "PS-async ms (×DDP)",
+        "PS bytes/step (MB)",
+        "peak RSS rank 0 (MB): DDP / sync / async",
+    ]
+    return _provenance(f, "cost_curves", f"{f}.csv") + "\n\n" + _table(header, rows)
+
+
+def cost_shm_table() -> str:
+    """The sweep with shared memory: DDP, PS-sync, PS-sync bf16, PS-async."""
+    f = "cost_curves_shm"
+    rows = []
+    for params, workers in _grid(f):
+        m = params / 1e6
+        ddp, sync, bf16, asy = (
+            _point(f, v, m, workers) for v in ("ddp", "ps_sync", "ps_sync_bf16", "ps_async")
+        )
+        rows.append(
+            [
+                f"{m:.0f}",
+                str(workers),
+                _ms(ddp),
+                *(
+                    f"{_ms(r)} ({_x(_vs_ddp(f, v, params, workers), 1)})"
+                    for r, v in ((sync, "ps_sync"), (bf16, "ps_sync_bf16"), (asy, "ps_async"))
+                ),
+                " / ".join(f"{r['cross_node_bytes_per_step'] / 1e6:.0f}" for r in (sync, bf16)),
+                " / ".join(f"{r['peak_rss_mb']:.0f}" for r in (ddp, sync, asy)),
+            ]
+        )
+    header = [
+        "params (M)",
+        "workers",
+        "DDP ms",
+        "PS-sync ms (×DDP)",
+        "PS-sync bf16 ms (×DDP)",
+        "PS-async ms (×DDP)",
+        "cross-node MB/step, sync / bf16",
+        "peak RSS rank 0 (MB): DDP / sync / async",
+    ]
+    return _provenance(f, "cost_curves", f"{f}.csv") + "\n\n" + _table(header, rows)
+
+
+def curve_ratio(file: str, variant: str, params_m: str, workers: str) -> str:
+    """One point's step time over DDP's, e.g. ``1.7×``."""
+    return _x(_vs_ddp(file, variant, float(params_m) * 1e6, int(workers)), 1)
+
+
+def curve_s(file: str, variant: str, params_m: str, workers: str) -> str:
+    """One point's median step in seconds, e.g. ``9.0 s``."""
+    return f"{_point(file, variant, float(params_m), int(workers))['step_ms'] / 1e3:.1f} s"
+
+
+def curve_range(file: str, variant: str, *scope: str) -> str:
+    """Smallest to largest ratio to DDP over every multi-worker point, e.g.
+    ``1.7–7.1×``; with ``but-worst``, over every point but the slowest one, which is
+    then named, e.g. ``1.7–2.5× (7.1× at 50 M parameters with 4 workers)``."""
+    if scope not in ((), ("but-worst",)):
+        raise RenderError(f"curve_range takes an optional 'but-worst', got {scope}")
+    points = [(_vs_ddp(file, variant, p, w), p, w) for p, w in _grid(file) if w > 1]
+    points.sort()
+    if scope:
+        worst = points.pop()
+        low, high = points[0][0], points[-1][0]
+        return (
+            f"{low:.1f}–{_x(high, 1)} ({_x(worst[0], 1)} at {worst[1] / 1e6:.0f} M "
+            f"parameters with {worst[2]} workers)"
+        )
+    return f"{points[0][0]:.1f}–{_x(points[-1][0], 1)}"
+
+
+def curve_rss(file: str, params_m: str, workers: str) -> str:
+    """Peak resident memory of rank 0 for DDP, PS-sync and PS-async at one point."""
+    gb = {
+        v: _point(file, v, float(params_m), int(workers))["peak_rss_mb"] / 1e3
+        for v in ("ddp", "ps_sync", "ps_async")
+    }
+    return (
+        f"{gb['ddp']:.2f} GB (DDP), {gb['ps_sync']:.2f} GB (sync) "
+        f"and {gb['ps_async']:.2f} GB (async)"
+    )
+
+
+# --- ResNet-18 (benchmarks/resnet18.py) --------------------------------------------------
+def _resnet(variant: str) -> dict[str, Any]:
+    for row in _json("resnet18"):
+        if row["variant"] == variant:
+            return row
+    raise RenderError(f"resnet18.json has no variant {variant!r}")
+
+
+def resnet_table() -> str:
+    ddp = _resnet("ddp")["samples_per_s"]
+    rows = [
+        [
+            r["variant"],
+            f"{r['samples_per_s']:.1f}",
+            _bold(_x(r["samples_per_s"] / ddp), r["variant"] in EMPHASIS["resnet18"]),
+            f"{r['median_step_ms']:.0f}",
+            f"{r['loss_first']:.3f} → {r['loss_last']:.3f}",
+        ]
+        for r in _json("resnet18")
+    ]
+    header = ["variant", "samples/s", "vs DDP", "median step (ms)", "loss, first 5 → last 5 steps"]
+    return "Raw data: `benchmarks/results/resnet18.json`.\n\n" + _table(header, rows)
+
+
+def resnet_ratio(variant: str) -> str:
+    """Throughput over DDP's on ResNet-18, e.g. ``1.21×``."""
+    return _x(_resnet(variant)["samples_per_s"] / _resnet("ddp")["samples_per_s"])
+
+
+# --- the markers -----------------------------------------------------------------------
+RENDERERS: dict[str, Callable[..., str]] = {
+    f.__name__: f
+    for f in (
+        step_time_table,
+        step_ratio,
+        round_ms,
+        step_bytes,
+        step_calls,
+        straggler_table,
+        straggler_ratio,
+        straggler_step_ratio,
+        straggler_staleness,
+        straggler_sleep,
+        straggler_rounds,
+        digits_table,
+        digits_gap,
+        digits_reach,
+        cost_table,
+        cost_shm_table,
+        curve_ratio,
+        curve_s,
+        curve_range,
+        curve_rss,
+        resnet_table,
+        resnet_ratio,
+    )
+}
+
+
+def render(spec: str) -> str:
+    """The text a marker ``<!-- generated: spec -->`` stands for."""
+    name, *args = spec.split()
+    if name not in RENDERERS:
+        raise RenderError(f"unknown renderer {name!r}; known: {sorted(RENDERERS)}")
+    try:
+        text = RENDERERS[name](*args)
+    except (KeyError, IndexError, TypeError) as e:
+        raise RenderError(f"{spec!r}: {type(e).__name__}: {e}") from e
+    # A table is a block of its own: blank lines keep Markdown from gluing it to
+    # the marker comments.
+    return f"\n\n{text}\n\n" if name.endswith("_table") else text
+
+
+def doc_files() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def render_text(text: str, where: str) -> tuple[str, list[str]]:
+    """Returns ``text`` with every block regenerated, and the blocks that changed.
+
+    Raises:
+        RenderError: If a marker is malformed or its renderer fails.
+    """
+    if len(OPENING.findall(text)) != len(CLOSING.findall(text)):
+        raise RenderError(f"{where}: a '<!-- generated: ... -->' has no matching end marker")
+    stale: list[str] = []
+
+    def one(m: re.Match[str]) -> str:
+        spec = m["spec"].strip()
+        try:
+            body = render(spec)
+        except RenderError as e:
+            raise RenderError(f"{where}: {e}") from e
+        if body != m["body"]:
+            stale.append(f"{where}: {spec}")
+        return f"<!-- generated: {spec} -->{body}<!-- end generated -->"
+
+    return BLOCK.sub(one, text), stale
+
+
+def stale_blocks() -> list[str]:
+    """Every generated block whose text differs from what the results give."""
+    stale: list[str] = []
+    for path in doc_files():
+        stale += render_text(path.read_text(), str(path.relative_to(ROOT)))[1]
+    return stale
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--check", action="store_true", help="change nothing; exit 1 if a block is stale"
+    )
+    args = p.parse_args(argv)
+    try:
+        if args.check:
+            stale = stale_blocks()
+            for s in stale:
+                print(f"stale: {s}")
+            if stale:
+                print("Run: python benchmarks/render_docs.py", file=sys.stderr)
+            return 1 if stale else 0
+        for path in doc_files():
+            text = path.read_text()
+            new, stale = render_text(text, str(path.relative_to(ROOT)))
+            if new != text:
+                path.write_text(new)
+                for s in stale:
+                    print(f"rewrote: {s}")
+    except RenderError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
