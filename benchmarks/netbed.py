@@ -4,9 +4,9 @@ Every node is a network namespace holding one Ray node (head or worker). The nod
 hang off a bridge that lives in a namespace of its own (the "switch"); each node's
 link is a veth pair, shaped in both directions (a token bucket, with netem delay/loss
 under it when asked for and the kernel has netem), so whatever leaves or enters a node
-crosses a link of the given rate. Nothing is configured in the host's namespace: the bed's addresses
-(198.18.0.0/24, from the range reserved for network benchmarks) exist only inside its
-own namespaces, and no route leads out of them.
+crosses a link of the given rate. Nothing is configured in the host's namespace: the
+bed's addresses (198.18.0.0/24, from the range reserved for network benchmarks) exist
+only inside its own namespaces, and no route leads out of them.
 
 Command line (root only)::
 
@@ -20,10 +20,10 @@ then tears everything down (also on error, Ctrl-C or SIGTERM).
 
 Library::
 
-    with NetBed(nodes=2, rate="1gbit") as bed:
+    with NetBed(nodes=2, shape=LinkShape(rate="1gbit")) as bed:
         bed.run(["python", "driver.py"], timeout=120)
-        bed.set_link(1, loss=1.0)      # shape node 1's link while running
-        bed.set_link(1, down=True)     # unplug it
+        bed.set_link(1, rate="100mbit")   # reshape node 1's link while running
+        bed.set_link(1, down=True)        # unplug it (loss=..., delay=... need netem)
 
 Processes are ended by id: the bed kills exactly what ``ip netns pids`` lists for its
 own namespaces, and never runs ``ray stop`` (that would end every Ray on the machine).
@@ -260,9 +260,11 @@ def cleanup_stale(prefix: str = PREFIX) -> list[str]:
             continue
         kill_namespaces([ns])
         removed.append(ns)
-        # A dead bed's Ray temp dirs follow the same naming.
-        for d in Path("/tmp").glob(f"{prefix}{m.group(1)}_*"):
-            shutil.rmtree(d, ignore_errors=True)
+        # A dead bed's Ray temp dirs follow the same naming: /tmp/<stem>_<i>.
+        stem = ns.rsplit("_", 1)[0]
+        for d in Path("/tmp").glob(f"{stem}_*"):
+            if re.fullmatch(rf"{re.escape(stem)}_\d+", d.name):
+                shutil.rmtree(d, ignore_errors=True)
     return removed
 
 
