@@ -215,6 +215,8 @@ def main() -> None:
     if len(alive) < args.nodes:
         p.error(f"the cluster has {len(alive)} alive node(s), fewer than --nodes {args.nodes}")
 
+    # Other work on the machine skews the times; the load averages say how much.
+    load_start = os.getloadavg()
     rounds: list[dict[str, dict[str, Any]]] = []
     with tempfile.TemporaryDirectory() as tmp:
         storage = args.storage or tmp
@@ -246,6 +248,10 @@ def main() -> None:
         "rate": args.rate,
         "nodes": args.nodes,
         "workers_per_node": args.workers_per_node,
+        "link_delay": os.environ.get("PSBED_DELAY"),
+        "link_loss_percent": os.environ.get("PSBED_LOSS"),
+        "loadavg_start": load_start,
+        "loadavg_end": os.getloadavg(),
         "args": vars(args),
         "mean_step_ms": {k: med(k) * 1e3 for k in names},
         "ratio_to_ddp": {k: ratio(k) for k in names},
