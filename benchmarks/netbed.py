@@ -36,6 +36,7 @@ import json
 import os
 import re
 import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -716,7 +717,9 @@ class NetBed:
         )
         try:
             assert rx.stdout is not None
-            if rx.stdout.readline().strip() != "ready":
+            # Bounded wait for the receiver's "ready" line (readline alone could block).
+            readable, _, _ = select.select([rx.stdout], [], [], timeout)
+            if not readable or rx.stdout.readline().strip() != "ready":
                 raise NetBedError("throughput probe: receiver did not start")
             self.exec(src, [sys.executable, "-c", send], timeout=timeout, capture=True)
             out, _ = rx.communicate(timeout=timeout)
