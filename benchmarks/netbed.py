@@ -82,7 +82,7 @@ def parse_rate(rate: str) -> int:
             units (bytes per second) are refused on purpose: they are a classic source
             of 8x mistakes.
     """
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", rate)
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+)([a-zA-Z]*)", rate)
     unit = m.group(2).lower() if m else ""
     if not m or (unit and unit not in _RATE_UNITS):
         raise ValueError(f"rate {rate!r}: use a number with one of {list(_RATE_UNITS)}")
@@ -90,6 +90,19 @@ def parse_rate(rate: str) -> int:
     if bits <= 0:
         raise ValueError(f"rate {rate!r} must be > 0")
     return bits
+
+
+def parse_time(value: str) -> float:
+    """Seconds of a tc-style time (``"5ms"``, ``"100us"``, ``"1s"``; bare numbers are us).
+
+    Raises:
+        ValueError: If ``value`` is not a number with one of those units.
+    """
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+)(us|usec|ms|msec|s|sec)?", value)
+    if not m:
+        raise ValueError(f"time {value!r}: use a number with us, ms or s")
+    scale = {"us": 1e-6, "usec": 1e-6, "ms": 1e-3, "msec": 1e-3, "s": 1.0, "sec": 1.0}
+    return float(m.group(1)) * scale[m.group(2) or "us"]
 
 
 @dataclass(frozen=True)
@@ -112,17 +125,14 @@ class LinkShape:
 
     def __post_init__(self) -> None:
         parse_rate(self.rate)
-        self.delay_s()
+        parse_time(self.delay)
+        parse_time(self.queue)
         if not 0.0 <= float(self.loss) <= 100.0:
             raise ValueError(f"loss must be a percentage in [0, 100], got {self.loss}")
 
     def delay_s(self) -> float:
-        """The delay in seconds (tc syntax: ``us``, ``ms`` or ``s``; bare numbers are us)."""
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(us|usec|ms|msec|s|sec)?\s*", self.delay)
-        if not m:
-            raise ValueError(f"delay {self.delay!r}: use a number with us, ms or s")
-        scale = {"us": 1e-6, "usec": 1e-6, "ms": 1e-3, "msec": 1e-3, "s": 1.0, "sec": 1.0}
-        return float(m.group(1)) * scale[m.group(2) or "us"]
+        """The delay in seconds."""
+        return parse_time(self.delay)
 
     def burst_bytes(self) -> int:
         """Bucket size: 1 ms of traffic, at least 64 KiB (a GSO super-packet)."""
@@ -463,47 +473,19 @@ class NetBed:
         are built without netem, and rate limiting alone must work there).
         """
         s = self._shapes[i]
-        for ns, dev in ((self.node_ns(i), IFNAME), (self.switch_ns, f"n{i}")):
-            _tc(
-                "qdisc",
-                "add" if new else "change",
-                "dev",
-                dev,
-                "root",
-                "handle",
-                "1:",
-                "tbf",
-                "rate",
-                s.rate,
-                "burst",
-                str(s.burst_bytes()),
-                "latency",
-                s.queue,
-                ns=ns,
-            )
+        ends = ((self.node_ns(i), IFNAME), (self.switch_ns, f"n{i}"))
+        for ns, dev in ends:
+            verb = "add" if new else "change"
+            tbf = f"rate {s.rate} burst {s.burst_bytes()} latency {s.queue}"
+            _tc(*f"qdisc {verb} dev {dev} root handle 1: tbf {tbf}".split(), ns=ns)
         if not (self._netem[i] or s.delay_s() > 0 or s.loss > 0):
             return
-        for ns, dev in ((self.node_ns(i), IFNAME), (self.switch_ns, f"n{i}")):
+        for ns, dev in ends:
+            verb = "change" if self._netem[i] else "add"
+            # A queue deep enough for a bandwidth-delay product of TSO super-packets.
+            netem = f"delay {s.delay} loss {float(s.loss)}% limit 100000"
             try:
-                # Deep enough for a bandwidth-delay product of TSO super-packets.
-                _tc(
-                    "qdisc",
-                    "change" if self._netem[i] else "add",
-                    "dev",
-                    dev,
-                    "parent",
-                    "1:1",
-                    "handle",
-                    "10:",
-                    "netem",
-                    "delay",
-                    s.delay,
-                    "loss",
-                    f"{float(s.loss)}%",
-                    "limit",
-                    "100000",
-                    ns=ns,
-                )
+                _tc(*f"qdisc {verb} dev {dev} parent 1:1 handle 10: netem {netem}".split(), ns=ns)
             except NetBedError as e:
                 if "unknown" in str(e).lower():
                     raise NetBedError(
