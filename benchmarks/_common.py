@@ -5,12 +5,15 @@ from __future__ import annotations
 import os
 import platform
 import time
+from collections.abc import Callable
 from datetime import date
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn as nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+from torch.nn.parallel import DistributedDataParallel
 
 
 def reference_mlp(width: int = 2048) -> nn.Module:
@@ -48,12 +51,17 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def prepared_mlp_steps(config: dict[str, Any], lr: float) -> tuple[nn.Module, list[float]]:
+def prepared_mlp_steps(
+    config: dict[str, Any], lr: float, on_timed_start: Callable[[], Any] | None = None
+) -> tuple[nn.Module, list[float]]:
     """Inside a Train worker: prepares the reference MLP and times SGD steps on one batch.
 
     Config keys: ``width``, ``sync`` (False: no DDP wrap, the compute floor),
-    ``warmup`` and ``steps``. Returns the prepared model and the timed steps' seconds
-    (``zero_grad`` + forward + backward + ``optimizer.step()``, warm-up dropped).
+    ``warmup``, ``steps`` and optionally ``comm_hook`` (``"bf16"``: torch's
+    ``bf16_compress_hook`` on a plain DDP model). Returns the prepared model and the
+    timed steps' seconds (``zero_grad`` + forward + backward + ``optimizer.step()``,
+    warm-up dropped). ``on_timed_start`` is called once, right before the first timed
+    step (e.g. to read byte counters).
     """
     import ray.train.torch
 
@@ -62,10 +70,18 @@ def prepared_mlp_steps(config: dict[str, Any], lr: float) -> tuple[nn.Module, li
     model = ray.train.torch.prepare_model(
         reference_mlp(config["width"]), parallel_strategy="ddp" if config["sync"] else None
     )
+    # Only a plain DDP takes the hook: the PS wrapper (a DDP subclass) installs its
+    # own, and a single worker is not wrapped at all.
+    if config.get("comm_hook") == "bf16" and type(model) is DistributedDataParallel:
+        model.register_comm_hook(None, bf16_compress_hook)
+    elif config.get("comm_hook") not in (None, "bf16"):
+        raise ValueError(f"unknown comm_hook {config['comm_hook']!r}; use None or 'bf16'")
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     x, y = torch.randn(32, 784), torch.randint(0, 10, (32,))
     times = []
     for step in range(config["warmup"] + config["steps"]):
+        if step == config["warmup"] and on_timed_start is not None:
+            on_timed_start()
         t0 = time.perf_counter()
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()

@@ -1,0 +1,285 @@
+"""Step time of DDP and PS-sync with workers spread over nodes joined by a real link.
+
+Meant for the network test bed (``benchmarks/netbed.py``), where every node sits
+behind a rate-limited link, and for real clusters (``--address``). Workers are spread
+over ``--nodes`` nodes, ``--workers-per-node`` each; the script checks where every
+worker landed and refuses to report a run whose placement is not the one asked for.
+
+Variants (run in alternation within each round, so drifts hit them alike):
+
+- ``ddp``: stock DDP (gloo all-reduce, fp32).
+- ``ddp_bf16``: DDP with torch's ``bf16_compress_hook`` (bf16 on the wire).
+- ``ps_sync``: parameter servers, sync mode (fp32 on the wire).
+- ``ps_sync_bf16``: the same with ``compression="bf16"``.
+- ``compute``: no synchronisation at all (the floor; not run by default).
+
+Step time is rank 0's mean over the steps after warm-up; the table shows the median
+over rounds and, per variant, the median over rounds of its ratio to DDP's step time
+in the same round. Every worker also reads the byte counters of its network interface
+(``--ifname``, by default ``$GLOO_SOCKET_IFNAME``) around the timed steps, which shows
+what actually crossed the link.
+
+    python benchmarks/netbed.py --nodes 2 --rate 1gbit -- \\
+        python benchmarks/net_step_time.py --steps 10 --rounds 1
+    python benchmarks/net_step_time.py --address HEAD:6379 --nodes 2 \\
+        --storage /shared/dir         # on a real cluster (storage all nodes can reach)
+
+Reference model: MLP 784-2048-2048-10 (5.8 M params), batch 32, 1 CPU and 1 torch
+thread per worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+import ray.train
+from ray import cloudpickle
+from ray.train import RunConfig, ScalingConfig
+
+from ray_ps_plugin import PSConfig, PSTrainer
+
+# _common sits next to this script (benchmarks/ is not a package); workers get it
+# by value.
+sys.path.insert(0, str(Path(__file__).parent))
+_common = importlib.import_module("_common")
+cloudpickle.register_pickle_by_value(_common)
+
+# name -> (PSConfig fields, DDP comm hook, synchronise at all)
+VARIANTS: dict[str, tuple[dict[str, Any], str | None, bool]] = {
+    "ddp": ({"strategy": "ddp"}, None, True),
+    "ddp_bf16": ({"strategy": "ddp"}, "bf16", True),
+    "ps_sync": ({"strategy": "ps", "mode": "sync"}, None, True),
+    "ps_sync_bf16": ({"strategy": "ps", "mode": "sync", "compression": "bf16"}, None, True),
+    "compute": ({"strategy": "ddp"}, None, False),
+}
+DEFAULT_VARIANTS = "ddp,ddp_bf16,ps_sync,ps_sync_bf16"
+
+
+def _link_bytes(ifname: str | None) -> int | None:
+    """Bytes sent plus received so far on ``ifname`` (``None`` if unreadable).
+
+    In the test bed each worker runs in its node's network namespace, so this is
+    exactly the traffic of that node's shaped link.
+    """
+    if not ifname:
+        return None
+    try:
+        base = Path("/sys/class/net", ifname, "statistics")
+        return int((base / "tx_bytes").read_text()) + int((base / "rx_bytes").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def bench_loop(config: dict[str, Any]) -> None:
+    """Times the reference MLP's steps; rank 0 reports every worker's placement."""
+    import torch.distributed as dist
+
+    ifname = config["ifname"]
+    start: dict[str, int | None] = {}
+    model, times = _common.prepared_mlp_steps(
+        config, lr=1e-3, on_timed_start=lambda: start.update(bytes=_link_bytes(ifname))
+    )
+    end = _link_bytes(ifname)
+    ctx = ray.train.get_context()
+    mine = {
+        "rank": ctx.get_world_rank(),
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "node_ip": ray.util.get_node_ip_address(),
+        "link_bytes_per_step": (end - start["bytes"]) / len(times)
+        if end is not None and start.get("bytes") is not None
+        else None,
+    }
+    # After the timed steps: one small collective over the process group that both
+    # strategies start, so rank 0 can report where every worker ran.
+    workers: list[Any] = [None] * ctx.get_world_size()
+    if dist.is_initialized():
+        dist.all_gather_object(workers, mine)
+    else:
+        workers = [mine]
+    metrics = {
+        "mean_step_s": statistics.fmean(times),
+        "median_step_s": statistics.median(times),
+        "workers": workers,
+        "params": sum(p.numel() for p in model.parameters()),
+    }
+    with tempfile.TemporaryDirectory() as d:
+        Path(d, "m.json").write_text(json.dumps(metrics))
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
+
+
+def run_variant(name: str, args: argparse.Namespace, storage: str) -> dict[str, Any]:
+    """One ``fit()`` of variant ``name``; returns rank 0's metrics."""
+    fields, hook, sync = VARIANTS[name]
+    n = args.nodes * args.workers_per_node
+    # One worker per node: STRICT_SPREAD guarantees it. Several: SPREAD balances the
+    # bundles over the nodes (checked below).
+    strategy = "STRICT_SPREAD" if args.workers_per_node == 1 else "SPREAD"
+    result = PSTrainer(
+        bench_loop,
+        ps_config=PSConfig(**fields),
+        train_loop_config={
+            "sync": sync,
+            "comm_hook": hook,
+            "width": args.width,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "ifname": args.ifname,
+        },
+        scaling_config=ScalingConfig(
+            num_workers=n,
+            resources_per_worker={"CPU": args.cpus_per_worker},
+            placement_strategy=strategy,
+        ),
+        run_config=RunConfig(storage_path=storage, name=f"{name}-{time.time_ns()}"),
+    ).fit()
+    metrics = dict(result.metrics)
+    _check_placement(name, metrics["workers"], args)
+    return metrics
+
+
+def _check_placement(name: str, workers: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    per_node: dict[str, int] = {}
+    for w in workers:
+        per_node[w["node_id"]] = per_node.get(w["node_id"], 0) + 1
+    wanted = [args.workers_per_node] * args.nodes
+    if sorted(per_node.values()) != wanted:
+        raise RuntimeError(
+            f"{name}: workers landed {per_node} (node id: count), not {args.workers_per_node} "
+            f"on each of {args.nodes} nodes; give each node enough CPUs"
+        )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--address",
+        default=os.environ.get("RAY_ADDRESS"),
+        help="Ray cluster to use (default: $RAY_ADDRESS, which netbed.py sets)",
+    )
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--workers-per-node", type=int, default=1)
+    p.add_argument("--cpus-per-worker", type=float, default=1.0)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--width", type=int, default=2048)
+    p.add_argument(
+        "--variants",
+        default=DEFAULT_VARIANTS,
+        help=f"comma-separated, from {list(VARIANTS)} (ddp is always run)",
+    )
+    p.add_argument(
+        "--ifname",
+        default=os.environ.get("GLOO_SOCKET_IFNAME"),
+        help="interface whose byte counters the workers read",
+    )
+    p.add_argument(
+        "--rate",
+        default=os.environ.get("PSBED_RATE", "unknown"),
+        help="link rate to record (default: $PSBED_RATE, set by netbed.py)",
+    )
+    p.add_argument(
+        "--storage",
+        default=None,
+        help="Ray Train storage path; on a real cluster one every node reaches "
+        "(default: a local temp dir, enough for one machine)",
+    )
+    p.add_argument("--out", default="benchmarks/results/net_step_time.json")
+    args = p.parse_args()
+    # Ray Train waits for the controller's poll on every report (2 s by default); the
+    # driver's value reaches the controller and the workers.
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
+    names = list(dict.fromkeys(["ddp", *args.variants.split(",")]))
+    unknown = set(names) - set(VARIANTS)
+    if unknown:
+        p.error(f"unknown variant(s) {sorted(unknown)}; choose from {list(VARIANTS)}")
+    if not args.address:
+        p.error("no cluster: pass --address or run under benchmarks/netbed.py")
+    if args.steps < 1 or args.rounds < 1:
+        p.error("--steps and --rounds must be >= 1")
+
+    ray.init(address=args.address, log_to_driver=False)
+    alive = [n for n in ray.nodes() if n["Alive"]]
+    if len(alive) < args.nodes:
+        p.error(f"the cluster has {len(alive)} alive node(s), fewer than --nodes {args.nodes}")
+
+    # Other work on the machine skews the times; the load averages say how much.
+    load_start = os.getloadavg()
+    rounds: list[dict[str, dict[str, Any]]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        storage = args.storage or tmp
+        for r in range(args.rounds):
+            rounds.append({name: run_variant(name, args, storage) for name in names})
+            print(
+                f"round {r + 1}: "
+                + ", ".join(f"{k} {v['mean_step_s'] * 1e3:.1f} ms" for k, v in rounds[-1].items()),
+                flush=True,
+            )
+    ray.shutdown()
+
+    def med(name: str) -> float:
+        return statistics.median(x[name]["mean_step_s"] for x in rounds)
+
+    def ratio(name: str) -> float:
+        return statistics.median(x[name]["mean_step_s"] / x["ddp"]["mean_step_s"] for x in rounds)
+
+    def link_mb(name: str) -> float | None:
+        vals = [x[name]["workers"][0]["link_bytes_per_step"] for x in rounds]
+        return statistics.median(vals) / 1e6 if None not in vals else None
+
+    placement = {
+        name: [(w["rank"], w["node_ip"], w["node_id"]) for w in rounds[-1][name]["workers"]]
+        for name in names
+    }
+    summary = {
+        **_common.machine_info(),
+        "rate": args.rate,
+        "nodes": args.nodes,
+        "workers_per_node": args.workers_per_node,
+        "link_delay": os.environ.get("PSBED_DELAY"),
+        "link_loss_percent": os.environ.get("PSBED_LOSS"),
+        "loadavg_start": load_start,
+        "loadavg_end": os.getloadavg(),
+        "args": vars(args),
+        "mean_step_ms": {k: med(k) * 1e3 for k in names},
+        "ratio_to_ddp": {k: ratio(k) for k in names},
+        "rank0_link_mb_per_step": {k: link_mb(k) for k in names},
+        "placement_last_round": placement,
+        "rounds": rounds,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=2))
+
+    print(f"\nworkers (last round, {names[0]}): rank, node ip, node id")
+    for rank, ip, node in placement[names[0]]:
+        print(f"  {rank}  {ip}  {node}")
+    print(
+        f"\n{args.nodes} node(s) x {args.workers_per_node} worker(s), link {args.rate}, "
+        f"{args.rounds} round(s) x {args.steps} steps"
+    )
+    print("| variant | mean step (ms) | ratio to DDP | rank 0's link, MB/step (tx+rx) |")
+    print("|---|---|---|---|")
+    for k in names:
+        mb = link_mb(k)
+        print(
+            f"| {k} | {med(k) * 1e3:.1f} | {ratio(k):.2f}x | "
+            f"{'n/a' if mb is None else f'{mb:.1f}'} |"
+        )
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
