@@ -91,9 +91,12 @@ class PSDistributedDataParallel(DistributedDataParallel):
         return self.module(*inputs, **kwargs)
 
     def __getstate__(self) -> dict[str, Any]:
-        # The client (threads, locks, shared memory) belongs to the original only.
+        # The client (threads, locks, shared memory) belongs to the original only,
+        # and so does the communication hook DDP keeps a reference to (a bound
+        # method of the client).
         state = super().__getstate__()
         state["_ps_client"] = None
+        state["_comm_hooks"] = []
         return state
 
 
