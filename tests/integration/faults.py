@@ -51,7 +51,8 @@ def resumable_loop(config: dict[str, Any]) -> None:
     step: after backward, before the optimizer step); ``stop_shard``/``stop_step``
     make rank 0 stop that shard's process with SIGSTOP before the step's forward,
     so it hangs without dying; ``nan_rank``/``nan_step`` poison that worker's
-    gradient.
+    gradient; ``lose_node_rank``/``lose_node_step`` make that worker ask the test
+    driver (file ``node_to_remove``) to remove its whole node, then wait.
     """
     rank = ray.train.get_context().get_world_rank()
     model = _model()
@@ -81,6 +82,12 @@ def resumable_loop(config: dict[str, Any]) -> None:
             pid = ray.get(server.ready.remote(), timeout=30)["pid"]
             Path(config["marker_dir"], "stopped_at").write_text(repr(time.monotonic()))
             os.kill(pid, signal.SIGSTOP)  # hangs; ray.kill at shutdown still ends it
+        if rank == config.get("lose_node_rank") and step == config.get("lose_node_step") \
+                and _once(config, "lose_node"):
+            # Ask the test driver to remove this worker's node, and wait to be killed.
+            node = ray.get_runtime_context().get_node_id()
+            Path(config["marker_dir"], "node_to_remove").write_text(node)
+            time.sleep(120)
         x, y = _batch(step, rank)
         loss = nn.functional.cross_entropy(model(x), y)
         if rank == config.get("nan_rank") and step == config.get("nan_step"):

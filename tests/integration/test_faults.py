@@ -1,14 +1,16 @@
 """Reliability on a real local Ray cluster: restarts from checkpoints after worker
 and server failures, bounded failures, NaN policy, mismatched models, no leaks."""
 
+import re
+import threading
 import time
 
 import pytest
 import ray
 import torch
-from ray.train import FailureConfig, RunConfig, ScalingConfig
+from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
 
-from ray_ps_plugin import PSConfig, PSTrainer
+from ray_ps_plugin import PSConfig, PSError, PSTimeoutError, PSTrainer
 from tests.integration import faults, loops
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -70,11 +72,97 @@ def test_killed_shard_recovers_through_restart_exactly(reference, tmp_path):
     _no_leaks()
 
 
-def test_killed_shard_without_retries_fails_fast_naming_the_shard(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "ssp"])  # async shares ssp's client and shard
+def test_killed_shard_without_retries_fails_fast_naming_the_shard(tmp_path, mode):
     t0 = time.monotonic()
-    with pytest.raises(Exception, match=r"server shard\(s\) \[1\] failed"):
-        _fit(tmp_path, "shard_dies_hard", kill_shard=1, kill_step=7, ps={"ps_timeout_s": 20})
+    with pytest.raises(TrainingFailedError, match=r"server shard\(s\) \[1\] failed") as info:
+        _fit(tmp_path, f"shard_dies_hard_{mode}", kill_shard=1, kill_step=7,
+             ps={"ps_timeout_s": 20, "mode": mode})
+    assert any(isinstance(e, PSError) for e in loops.worker_errors(info.value))
+    # A dead actor fails its call at once: well within ps_timeout_s plus shutdown.
     assert time.monotonic() - t0 < 60
+    _no_leaks()
+
+
+def test_killed_shard_in_async_restarts_and_the_new_shards_adopt_the_checkpoint(tmp_path):
+    result = _fit(tmp_path, "async_shard_dies", retries=1, kill_shard=1, kill_step=12,
+                  ps={"mode": "async"})
+    m = result.metrics
+    assert m["step"] == STEPS and 0 < m["start"] <= 12
+    probe = tmp_path / "markers-async_shard_dies" / "restored_server_vs_checkpoint"
+    assert float(probe.read_text()) == 0.0
+    _no_leaks()
+
+
+HUNG_TIMEOUT_S = 8.0
+
+
+def test_hung_shard_fails_every_worker_in_bounded_time_naming_it(tmp_path):
+    with pytest.raises(TrainingFailedError) as info:
+        _fit(tmp_path, "shard_hangs", stop_shard=1, stop_step=7,
+             ps={"ps_timeout_s": HUNG_TIMEOUT_S, "mode": "ssp", "staleness": 1})
+    errors = loops.worker_errors(info.value)
+    assert errors
+    for e in errors:
+        assert isinstance(e, PSTimeoutError), e
+        assert re.search(r"server shard\(s\) \[1\] did not answer within", str(e)), e
+        assert "stopped answering pings" in str(e)
+    stopped = float((tmp_path / "markers-shard_hangs" / "stopped_at").read_text())
+    # Bounded: ps_timeout_s plus at most 5 s of pinging plus Ray Train's shutdown.
+    assert time.monotonic() - stopped < HUNG_TIMEOUT_S + 5 + 30
+    _no_leaks()
+
+
+def test_hung_shard_with_retries_recovers_exactly_in_sync(reference, tmp_path):
+    result = _fit(tmp_path, "shard_hangs_sync", retries=1, stop_shard=1, stop_step=12,
+                  ps={"ps_timeout_s": HUNG_TIMEOUT_S})
+    assert 0 < result.metrics["start"] <= 12
+    _assert_exact(faults.load(result), reference)
+    _no_leaks()
+
+
+def test_lost_node_restarts_on_the_rest_and_ends_exactly(reference, ray_cluster, tmp_path):
+    """A whole node dies with its worker and its shard; Ray Train restarts the run on
+    the remaining nodes from the last checkpoint, and sync ends bit-identical."""
+    # Two fresh nodes carry the workers (a "slot" each is needed); the head and the
+    # session's second node have no slot, so the survivor takes both on restart.
+    nodes = [ray_cluster.add_node(num_cpus=2, resources={"slot": 2}) for _ in range(2)]
+    ray_cluster.wait_for_nodes()
+    scaling = ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5, "slot": 1},
+                            placement_strategy="SPREAD")
+    marker_dir = tmp_path / "markers-node_lost"
+    marker_dir.mkdir()
+    removed: list[str] = []
+
+    def remove_the_node() -> None:
+        target = marker_dir / "node_to_remove"
+        if loops.wait_until(target.exists, timeout_s=240):
+            node_id = target.read_text()
+            for node in nodes:
+                if node.node_id == node_id:
+                    ray_cluster.remove_node(node, allow_graceful=False)
+                    removed.append(node_id)
+
+    killer = threading.Thread(target=remove_the_node, daemon=True)
+    killer.start()
+    try:
+        result = PSTrainer(
+            faults.resumable_loop,
+            train_loop_config={"steps": STEPS, "every": EVERY, "marker_dir": str(marker_dir),
+                               "lose_node_rank": 1, "lose_node_step": 12},
+            ps_config=PSConfig(ps_timeout_s=20),
+            scaling_config=scaling,
+            run_config=RunConfig(storage_path=str(tmp_path / "storage"), name="node_lost",
+                                 failure_config=FailureConfig(max_failures=1)),
+        ).fit()
+        killer.join(10)
+        assert len(removed) == 1  # rank 1's node, one of the two fresh ones
+        assert 0 < result.metrics["start"] <= 12
+        _assert_exact(faults.load(result), reference)
+    finally:
+        for node in nodes:
+            if node.node_id not in removed:
+                ray_cluster.remove_node(node)
     _no_leaks()
 
 
@@ -90,8 +178,11 @@ def test_async_restart_seeds_the_servers_from_the_checkpoint(tmp_path):
 
 
 def test_nan_gradient_raises_by_default_naming_the_step(tmp_path):
-    with pytest.raises(Exception, match=r"step 4: the gradient summed over all workers holds NaN"):
+    with pytest.raises(
+        TrainingFailedError, match=r"step 4: the gradient summed over all workers holds NaN"
+    ) as info:
         _fit(tmp_path, "nan_raise", nan_rank=1, nan_step=3)
+    assert all(isinstance(e, PSError) for e in loops.worker_errors(info.value))
     _no_leaks()
 
 
@@ -104,11 +195,11 @@ def test_nan_gradient_skipped_when_asked(tmp_path, mode):
     assert all(torch.isfinite(v).all() for v in state["model"].values())
 
 
-@pytest.mark.parametrize("mode", ["async"])  # sync builds the same DDP first
+@pytest.mark.parametrize("mode", ["sync", "async"])
 def test_models_that_differ_across_workers_fail_at_start(tmp_path, mode):
     t0 = time.monotonic()
     # DDP's constructor compares parameter shapes across ranks before any step.
-    with pytest.raises(Exception, match="appears not to match|DDP expects same model"):
+    with pytest.raises(TrainingFailedError, match="appears not to match sizes of the same param"):
         _fit(tmp_path, f"mismatch_{mode}", loop=faults.mismatched_loop, ps={"mode": mode})
     assert time.monotonic() - t0 < 60
     _no_leaks()
