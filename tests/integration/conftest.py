@@ -4,6 +4,8 @@ import os
 
 # Ray Train waits for the controller's poll on every report; 2 s by default.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
+# Ray Train polls Ray for node drains (preemption notices) every 5 s by default.
+os.environ.setdefault("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "0.5")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 import pytest  # noqa: E402

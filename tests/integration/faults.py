@@ -74,6 +74,7 @@ def resumable_loop(config: dict[str, Any]) -> None:
             Path(config["marker_dir"], "restored_server_vs_checkpoint").write_text(repr(probe))
         ray.train.collective.barrier()  # nobody pushes before the probe has read
     steps_run = 0
+    preempted_at = None
     for step in range(start, config["steps"]):
         if rank == 0 and step == config.get("stop_step") and _once(config, "stop"):
             from tests.integration.loops import run_servers
@@ -102,7 +103,10 @@ def resumable_loop(config: dict[str, Any]) -> None:
             ray.kill(run_servers()[config["kill_shard"]], no_restart=True)
         opt.step()
         steps_run += 1
-        if (step + 1) % config["every"] == 0 or step + 1 == config["steps"]:
+        if preempted_at is not None:  # a step after the preemption checkpoint
+            Path(config["marker_dir"], f"steps_after_preempt_{rank}_{step}").touch()
+        preempted = config.get("preemption") and _preemption_checkpoint(config, rank)
+        if preempted or (step + 1) % config["every"] == 0 or step + 1 == config["steps"]:
             ctx = get_ps_context()
             metrics = {"step": step + 1, "steps_run": steps_run, "start": start}
             if ctx is not None:
@@ -118,6 +122,37 @@ def resumable_loop(config: dict[str, Any]) -> None:
                     )
                     ckpt = ray.train.Checkpoint.from_directory(d)
                 ray.train.report(metrics, checkpoint=ckpt)
+        if preempted:
+            preempted_at = step + 1
+            _after_preemption_checkpoint(config, rank, preempted_at)
+
+
+def _preemption_checkpoint(config: dict[str, Any], rank: int) -> bool:
+    """Whether a preemption was just announced: checkpoint now (once per run).
+
+    Every worker calls ``get_preemption_info()`` once per step (it is a barrier).
+    Rank 1 tells the test driver where it runs when it reaches ``preempt_step``, so
+    the driver drains that node with the preemption reason.
+    """
+    if rank == 1 and not Path(config["marker_dir"], "node_to_drain").exists():
+        node = ray.get_runtime_context().get_node_id()
+        Path(config["marker_dir"], "node_to_drain").write_text(node)
+    info = ray.train.get_preemption_info()
+    return info is not None and _once(config, f"preempt_seen_{rank}")
+
+
+def _after_preemption_checkpoint(config: dict[str, Any], rank: int, step: int) -> None:
+    """The preempted rank waits for its node to go; the others note their steps.
+
+    Ray Train registers a reported checkpoint when its controller next polls the
+    workers; rank 1 gives it a few polls (the notice's grace period) before it tells
+    the driver to take the node.
+    """
+    if rank == 1:
+        time.sleep(2.0)
+    Path(config["marker_dir"], f"preempt_checkpoint_{rank}").write_text(str(step))
+    if rank == 1:
+        time.sleep(120)  # the node is removed under this worker
 
 
 def _server_vs(model: nn.Module, state: dict[str, torch.Tensor]) -> float:

@@ -166,6 +166,86 @@ def test_lost_node_restarts_on_the_rest_and_ends_exactly(reference, ray_cluster,
     _no_leaks()
 
 
+def _drain_for_preemption(node_id: str, deadline_s: float) -> None:
+    """Announces a preemption of the node, as a cloud provider's notice would."""
+    from ray.core.generated import autoscaler_pb2
+
+    gcs = ray._raylet.GcsClient(address=ray.get_runtime_context().gcs_address)
+    accepted, why = gcs.drain_node(
+        node_id,
+        autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+        "test preemption",
+        int(time.time() * 1000 + deadline_s * 1000),
+    )
+    assert accepted, why
+
+
+def test_preemption_checkpoints_the_shards_and_resumes_losing_at_most_one_step(
+    ray_cluster, tmp_path
+):
+    """Async: on a preemption notice the workers write a checkpoint holding the
+    shards' parameters; the node then goes, the run resumes from that checkpoint on
+    the remaining node, and the new shards hold exactly its parameters."""
+    nodes = [ray_cluster.add_node(num_cpus=2, resources={"slot": 2}) for _ in range(2)]
+    ray_cluster.wait_for_nodes()
+    marker_dir = tmp_path / "markers-preempt"
+    marker_dir.mkdir()
+    removed: list[str] = []
+
+    def preempt() -> None:
+        target = marker_dir / "node_to_drain"
+        if not loops.wait_until(target.exists, timeout_s=240):
+            return
+        node_id = target.read_text()
+        _drain_for_preemption(node_id, deadline_s=60)
+        if loops.wait_until((marker_dir / "preempt_checkpoint_1").exists, timeout_s=120):
+            for node in nodes:
+                if node.node_id == node_id:
+                    ray_cluster.remove_node(node, allow_graceful=True)
+                    removed.append(node_id)
+
+    driver = threading.Thread(target=preempt, daemon=True)
+    driver.start()
+    try:
+        result = PSTrainer(
+            faults.resumable_loop,
+            train_loop_config={"steps": STEPS, "every": 10, "marker_dir": str(marker_dir),
+                               "preemption": True},
+            ps_config=PSConfig(mode="async", ps_timeout_s=20),
+            scaling_config=ScalingConfig(
+                num_workers=2, resources_per_worker={"CPU": 0.5, "slot": 1},
+                placement_strategy="SPREAD",
+            ),
+            run_config=RunConfig(
+                storage_path=str(tmp_path / "storage"), name="preempt",
+                # Removing a node of a local Cluster is a SIGTERM to its raylet, which
+                # Ray reports as an expected termination, not as a preemption; so the
+                # restart is charged to max_failures here (on a cloud, a drained
+                # node's death is flagged preempted and charged to
+                # max_preemption_failures instead).
+                failure_config=FailureConfig(max_failures=1, max_preemption_failures=1),
+            ),
+        ).fit()
+        driver.join(10)
+        assert len(removed) == 1
+        checkpointed = int((marker_dir / "preempt_checkpoint_0").read_text())
+        m = result.metrics
+        # Resumed from the preemption checkpoint itself, not an older periodic one.
+        assert m["start"] == checkpointed and m["step"] == STEPS
+        # Steps lost: what rank 0 ran after that checkpoint before the node went.
+        # get_preemption_info() is a barrier each step, and rank 1 never reaches the
+        # next one, so rank 0 can finish at most the step it was in.
+        lost = sum(1 for _ in marker_dir.glob("steps_after_preempt_0_*"))
+        assert lost <= 1
+        probe = marker_dir / "restored_server_vs_checkpoint"
+        assert float(probe.read_text()) == 0.0
+    finally:
+        for node in nodes:
+            if node.node_id not in removed:
+                ray_cluster.remove_node(node)
+    _no_leaks()
+
+
 def test_async_restart_seeds_the_servers_from_the_checkpoint(tmp_path):
     result = _fit(tmp_path, "async_worker_dies", retries=1, fail_rank=1, fail_step=12,
                   ps={"mode": "async"})
