@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from ray_ps_plugin import _shm as shm
 from ray_ps_plugin._errors import PSError, PSTimeoutError, WaitTimeout
+from ray_ps_plugin._ray_compat import ping_actor
 from ray_ps_plugin._shm import Segment, SegmentHandle
 
 __all__ = ["Lane", "RayTransport", "Transport", "open_lanes", "wait_all"]
@@ -95,8 +96,6 @@ class RayTransport:
 
     def silent(self, shards: Sequence[int], timeout_s: float) -> list[int]:
         import ray
-
-        from ray_ps_plugin._ray_compat import ping_actor
 
         refs = {s: ping_actor(self._servers[s]) for s in shards}
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
