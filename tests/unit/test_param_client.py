@@ -230,3 +230,33 @@ def test_gpu_staging_offsets_count_empty_parameters(loop):
     model = torch.nn.ParameterList([torch.zeros(3), torch.zeros(0), torch.zeros(2)])
     client = ParamClient.build(setup_for(model, 0, 1, 1, Settings(mode="async")), FakeTransport(loop, []))
     assert client._offsets[:3] == [0, 3, 3]
+
+
+def test_load_state_dict_after_prepare_reaches_the_shards(loop):
+    """The usual DDP resume (load after prepare_model, on every worker) must not be
+    overwritten by the shards' older parameters at the next install."""
+    _, _, models, clients = _setup(loop, 2, shards=2, staleness=None)
+    for m, c in zip(models, clients):
+        c.bind(None)  # registers the state-dict hooks (seeding is done by _setup)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    x, y = torch.randn(4, 5), torch.randn(4, 3)
+    for m, o, c in zip(models, opts, clients):
+        _sgd_step(m, o, c, x, y)
+    checkpoint = {k: torch.full_like(v, 0.5) for k, v in models[0].state_dict().items()}
+    threads = [threading.Thread(target=m.load_state_dict, args=(checkpoint,)) for m in models]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    clients[1].sync()  # pulls the shards' parameters into rank 1's model
+    torch.testing.assert_close(_flat(models[1]), torch.full_like(_flat(models[1]), 0.5))
+
+
+def test_unfreezing_a_parameter_after_prepare_is_refused(loop):
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3))
+    model[0].requires_grad_(False)
+    _, _, _, (client,) = _setup(loop, 1, shards=1, staleness=None, models=[model])
+    client.before_step()  # unchanged: fine
+    model[0].weight.requires_grad_(True)
+    with pytest.raises(ValueError, match=r"\['0.weight'\] changed requires_grad after prepare"):
+        client.before_step()
