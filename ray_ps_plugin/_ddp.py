@@ -97,6 +97,7 @@ class PSDistributedDataParallel(DistributedDataParallel):
 
     def __init__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
         check_supported(module)
+        _check_not_attached(module)
         super().__init__(module, *args, **kwargs)
         attach(self)
 
@@ -154,6 +155,31 @@ def attach(ddp: PSDistributedDataParallel) -> None:
     ddp._ps_owns_comm = True
 
 
+def _check_not_attached(module: torch.nn.Module) -> None:
+    """Refuses, in async/ssp, a second DDP around a module the shards already hold.
+
+    The first model's client still owns the module's parameters and optimizer: both
+    clients would push every step and install their own shards' parameters into the
+    same tensors. (A second ``pl.Trainer.fit`` on the same LightningModule in one
+    training function does this.) Sync clients only sum gradients, so a second DDP
+    there simply takes over. Raised before DDP's constructor communicates, on every
+    rank alike.
+
+    Raises:
+        ValueError: Naming the fix.
+    """
+    info = _runtime.current_run()
+    if info.settings.mode == "sync" or not _runtime.module_attached(module):
+        return
+    raise ValueError(
+        f"{type(module).__name__} is already synchronised by the parameter servers "
+        f"(mode={info.settings.mode!r}): it was wrapped in DistributedDataParallel "
+        "earlier in this training function. In async/ssp a module can be wrapped once "
+        "per training function: keep the first wrapper (e.g. one pl.Trainer.fit() per "
+        "LightningModule, one prepare_model() per model), or use mode='sync'."
+    )
+
+
 def _module_argument(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return args[0] if args else kwargs.get("module")
 
@@ -177,7 +203,9 @@ def ps_ddp_constructors() -> Iterator[None]:
     def ddp_init(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> None:
         cls = type(self)
         if cls is DistributedDataParallel:
-            check_supported(_module_argument(args, kwargs))
+            module = _module_argument(args, kwargs)
+            check_supported(module)
+            _check_not_attached(module)
             original(self, *args, **kwargs)
             if type(self) is DistributedDataParallel:  # not taken over by an outer context
                 self.__class__ = PSDistributedDataParallel

@@ -189,6 +189,11 @@ def client_setup(module: torch.nn.Module, info: RunInfo) -> ClientSetup:
     )
 
 
+def module_attached(module: torch.nn.Module) -> bool:
+    """Whether a client of this worker already serves ``module``."""
+    return any(c.setup.module is module for c in _CLIENTS)
+
+
 def register(client: ClientBase) -> None:
     """Adds a prepared model's client; its optimizer steps now reach it."""
     _CLIENTS.append(client)

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import ray.train
+import ray.train.collective
 import torch
 import torch.nn as nn
 

@@ -235,3 +235,18 @@ def test_an_optimizer_that_ignores_its_closure_is_a_clear_error(ps_run):
             opt.step(lambda: None)
     finally:
         _runtime.remove_optimizer_hooks()
+
+
+def test_a_second_ddp_around_the_same_module(ps_run):
+    """A second pl.Trainer.fit() in one training function wraps the module again."""
+    mode, _ = ps_run
+    module = torch.nn.Linear(4, 2)
+    with _ddp.ps_ddp_constructors():
+        DDP(module)
+        if mode == "sync":  # the new wrapper's hook takes over; the old one idles
+            _step(DDP(module))
+            assert _runtime.used_models() == 2
+        else:
+            with pytest.raises(ValueError, match=r"already synchronised.*once per training"):
+                DDP(module)
+            assert _runtime.used_models() == 1
