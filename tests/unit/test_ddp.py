@@ -250,3 +250,27 @@ def test_a_second_ddp_around_the_same_module(ps_run):
             with pytest.raises(ValueError, match=r"already synchronised.*once per training"):
                 DDP(module)
             assert _runtime.used_models() == 1
+
+
+class _FakeTrainContext:
+    def __init__(self, world_size):
+        self._world_size = world_size
+
+    def get_world_size(self):
+        return self._world_size
+
+    def get_world_rank(self):
+        return 1
+
+
+def test_a_run_that_never_reached_the_shards_fails(monkeypatch, caplog):
+    import ray.train
+
+    assert _runtime.used_models() == 0
+    monkeypatch.setattr(ray.train, "get_context", lambda: _FakeTrainContext(2))
+    with pytest.raises(RuntimeError, match=r"rank 1: .*servers were never used.*RayDDPStrategy"):
+        _ddp._check_servers_used(raising=True)
+    _ddp._check_servers_used(raising=False)  # after the user's own error: only logged
+    assert "never used" in caplog.text
+    monkeypatch.setattr(ray.train, "get_context", lambda: _FakeTrainContext(1))
+    _ddp._check_servers_used(raising=True)  # one worker: prepare_model builds no DDP
