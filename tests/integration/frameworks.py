@@ -61,7 +61,10 @@ def lightning_loop(config: dict[str, Any]) -> None:
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             x, y = batch
-            return nn.functional.cross_entropy(self(x), y)
+            loss = nn.functional.cross_entropy(self(x), y)
+            if self.global_step == config.get("nan_step") and self.global_rank == 0:
+                loss = loss * float("nan")  # one worker's gradient goes NaN on this step
+            return loss
 
         def configure_optimizers(self) -> Any:
             if config.get("optimizer", "sgd") == "adam":
@@ -250,6 +253,7 @@ def report(
             ps_steps=st.steps,
             ps_bytes_pushed=st.bytes_pushed,
             ps_bytes_pulled=st.bytes_pulled,
+            ps_skipped_steps=st.skipped_steps,
         )
     with tempfile.TemporaryDirectory() as d:
         checkpoint = None

@@ -16,11 +16,12 @@ import time
 import pytest
 import torch
 from ray import cloudpickle, tune
-from ray.train import ScalingConfig
+from ray.train import FailureConfig, RunConfig, ScalingConfig
 
 pytest.importorskip("pytorch_lightning")
 pytest.importorskip("transformers")
 
+from ray_ps_plugin import PSConfig, PSTrainer
 from ray_ps_plugin.tune import make_trainable
 from tests.integration import frameworks, loops
 
@@ -133,15 +134,30 @@ def test_transformers_sync_ps_ends_with_ddp_parameters(sweep):
     assert _max_diff(ddp, frameworks.tiny_bert().state_dict()) > 1e-3  # it trained
 
 
-def test_lightning_closure_steps_keep_ssp_zero_on_ddp_maths(sweep):
-    """Lightning steps with optimizer.step(closure): forward and backward run inside
-    step(). With staleness 0 and momentum SGD (linear in the gradients) the servers'
-    parameters must equal DDP's; a delta measured across the closure's parameter
-    install would not."""
+def test_lightning_ssp_zero_is_ddp_maths(sweep):
+    """With staleness 0 and momentum SGD (linear in the gradients) the servers'
+    parameters after Lightning's closure-driven steps equal DDP's."""
     ddp, ssp = _state(sweep["lightning", "ddp"]), _state(sweep["lightning", "ssp"])
     diff = _max_diff(ddp, ssp)
     print(f"lightning ssp(0) vs ddp: max |diff| = {diff:.3g}")
     assert diff <= 1e-4
+
+
+def test_lightning_closure_step_skips_a_nan_step_before_it_is_applied(ray_cluster, storage):
+    """Lightning calls optimizer.step(closure): forward and backward run inside step().
+    The servers' checks must see that step's summed gradient before the parameters
+    change: with nan_policy="skip" the NaN step is dropped on both workers and the
+    model stays finite (checked before backward, the NaN would reach the weights)."""
+    trainer = PSTrainer(
+        frameworks.framework_loop,
+        train_loop_config={"framework": "lightning", "steps": 8, "nan_step": 3},
+        ps_config=PSConfig(strategy="ps", mode="sync", nan_policy="skip"),
+        scaling_config=SCALING,
+        run_config=RunConfig(storage_path=storage, name="nan", failure_config=FailureConfig(0)),
+    )
+    m = trainer.fit().metrics
+    assert m["ps_skipped_steps"] == 1 and m["ps_steps"] == 8, m
+    assert m["finite"], m
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
