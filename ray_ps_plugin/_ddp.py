@@ -1,18 +1,26 @@
-"""``PSDistributedDataParallel`` and the context that makes prepare_model build it.
+"""``PSDistributedDataParallel`` and the context that makes every DDP a PS one.
 
-The model a PS run's ``ray.train.torch.prepare_model`` returns *is* a
-``DistributedDataParallel`` (``isinstance`` checks, ``.module``, ``no_sync()``), so
-loops written for DDP keep working; DDP's constructor still broadcasts rank 0's
-parameters and buffers, so every worker starts from identical state. What changes
-is chosen by the mode (:mod:`ray_ps_plugin._modes`): sync keeps DDP's buckets and
-replaces their all-reduce; async/ssp bypass DDP's reducer and keep the parameters
-on the shards.
+The model a PS run trains *is* a ``DistributedDataParallel`` (``isinstance`` checks,
+``.module``, ``no_sync()``), so loops written for DDP keep working; DDP's constructor
+still broadcasts rank 0's parameters and buffers, so every worker starts from
+identical state. What changes is chosen by the mode (:mod:`ray_ps_plugin._modes`):
+sync keeps DDP's buckets and replaces their all-reduce; async/ssp bypass DDP's
+reducer and keep the parameters on the shards.
+
+While a PS training function runs, :func:`ps_ddp_constructors` takes over
+``DistributedDataParallel.__init__`` itself, so every plain DDP built in the function
+comes out connected to the shards, whoever builds it: ``ray.train.torch.
+prepare_model``, PyTorch Lightning's ``DDPStrategy`` (``RayDDPStrategy``) or
+Hugging Face accelerate (``transformers.Trainer``). The class object is shared by
+every import path, so no framework module needs patching.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any
 
@@ -20,12 +28,16 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from ray_ps_plugin import _runtime
-from ray_ps_plugin._client import ClientBase
 from ray_ps_plugin._modes import MODE_SPECS
-from ray_ps_plugin._ray_compat import swap_prepare_model_ddp
 from ray_ps_plugin._transport import RayTransport
 
-__all__ = ["PSDistributedDataParallel", "PSTrainFuncContext", "check_supported"]
+__all__ = [
+    "PSDistributedDataParallel",
+    "PSTrainFuncContext",
+    "attach",
+    "check_supported",
+    "ps_ddp_constructors",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -64,24 +76,30 @@ def check_supported(module: torch.nn.Module) -> None:
 class PSDistributedDataParallel(DistributedDataParallel):
     """``DistributedDataParallel`` whose synchronisation goes through the servers.
 
+    Built directly, or made from a plain DDP that a framework constructed while the
+    PS training function runs (:func:`ps_ddp_constructors`); both go through
+    :func:`attach`.
+
+    The servers own gradient communication: registering another communication hook
+    (Lightning's ``ddp_comm_hook``, accelerate's ``comm_hook``, a user's
+    ``register_comm_hook``) raises, rather than silently replacing the servers with
+    all-reduce (sync) or being silently ignored (async/ssp).
+
     Copies (``copy.deepcopy``, ``pickle``, ``torch.save``) work as they do for DDP
     and are never connected to the shards: a copy of a sync model is a plain DDP of
     the copied module (its backward, if any, all-reduces like a DDP copy would); a
     copy of an async/ssp model runs its module locally.
     """
 
+    _ps_client: Any = None
+    _ps_uses_reducer: bool = True
+    _ps_owns_comm: bool = False
+
     def __init__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
-        info = _runtime.current_run()
         check_supported(module)
+        _check_not_attached(module)
         super().__init__(module, *args, **kwargs)
-        spec = MODE_SPECS[info.settings.mode]
-        setup = _runtime.client_setup(module, info)
-        transport = RayTransport(info.servers, info.settings.ps_timeout_s)
-        client = spec.build_client(setup, transport)
-        self._ps_client: ClientBase | None = client
-        self._ps_uses_reducer = spec.uses_reducer
-        _runtime.register(client)
-        client.bind(self)
+        attach(self)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self._ps_client is not None:
@@ -90,23 +108,160 @@ class PSDistributedDataParallel(DistributedDataParallel):
             return super().forward(*inputs, **kwargs)
         return self.module(*inputs, **kwargs)
 
+    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+        self._refuse_comm_hook(getattr(hook, "__qualname__", repr(hook)))
+        super().register_comm_hook(state, hook)
+
+    def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
+        self._refuse_comm_hook(str(comm_hook_type))
+        super()._register_builtin_comm_hook(comm_hook_type)
+
+    def _refuse_comm_hook(self, name: str) -> None:
+        if not self._ps_owns_comm:
+            return
+        raise ValueError(
+            f"A DDP communication hook ({name}) was registered on a model the parameter "
+            "servers synchronise; under PSConfig(strategy='ps') the servers are the "
+            "gradient communication, so the hook would replace them (sync) or never "
+            "run (async/ssp). Remove the hook (Lightning: DDPStrategy/RayDDPStrategy "
+            "without ddp_comm_hook; accelerate: DistributedDataParallelKwargs without "
+            "comm_hook); for 16-bit traffic use PSConfig(compression='fp16'|'bf16'). "
+            "Or use PSConfig(strategy='ddp') to keep the hook with all-reduce."
+        )
+
     def __getstate__(self) -> dict[str, Any]:
         # The client (threads, locks, shared memory) belongs to the original only,
         # and so does the communication hook DDP keeps a reference to (a bound
         # method of the client).
         state = super().__getstate__()
         state["_ps_client"] = None
+        state["_ps_owns_comm"] = False
         state["_comm_hooks"] = []
         return state
+
+
+def attach(ddp: PSDistributedDataParallel) -> None:
+    """Connects a constructed DDP to the shards: builds, registers and binds the
+    mode's client (the one set-up of every PS model, however it was built)."""
+    info = _runtime.current_run()
+    spec = MODE_SPECS[info.settings.mode]
+    setup = _runtime.client_setup(ddp.module, info)
+    transport = RayTransport(info.servers, info.settings.ps_timeout_s)
+    client = spec.build_client(setup, transport)
+    ddp._ps_client = client
+    ddp._ps_uses_reducer = spec.uses_reducer
+    _runtime.register(client)
+    client.bind(ddp)  # sync: registers the servers' comm hook
+    ddp._ps_owns_comm = True
+
+
+def _check_not_attached(module: torch.nn.Module) -> None:
+    """Refuses, in async/ssp, a second DDP around a module the shards already hold.
+
+    The first model's client still owns the module's parameters and optimizer: both
+    clients would push every step and install their own shards' parameters into the
+    same tensors. (A second ``pl.Trainer.fit`` on the same LightningModule in one
+    training function does this.) Sync clients only sum gradients, so a second DDP
+    there simply takes over. Raised before DDP's constructor communicates, on every
+    rank alike.
+
+    Raises:
+        ValueError: Naming the fix.
+    """
+    info = _runtime.current_run()
+    if info.settings.mode == "sync" or not _runtime.module_attached(module):
+        return
+    raise ValueError(
+        f"{type(module).__name__} is already synchronised by the parameter servers "
+        f"(mode={info.settings.mode!r}): it was wrapped in DistributedDataParallel "
+        "earlier in this training function. In async/ssp a module can be wrapped once "
+        "per training function: keep the first wrapper (e.g. one pl.Trainer.fit() per "
+        "LightningModule, one prepare_model() per model), or use mode='sync'."
+    )
+
+
+def _module_argument(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return args[0] if args else kwargs.get("module")
+
+
+@contextlib.contextmanager
+def ps_ddp_constructors() -> Iterator[None]:
+    """Makes every ``DistributedDataParallel`` built meanwhile a PS one.
+
+    A plain DDP is constructed as usual (DDP's parameter broadcast included), then
+    becomes a :class:`PSDistributedDataParallel` and is attached to the shards. A
+    ``PSDistributedDataParallel`` built directly attaches itself once (its
+    constructor runs DDP's, which passes through here untouched). Any other DDP
+    subclass, and FSDP, are refused before they communicate: their own
+    synchronisation would bypass the servers while the run reports them.
+
+    Restores both constructors on exit, also on error.
+    """
+    original = DistributedDataParallel.__dict__["__init__"]
+
+    @functools.wraps(original)
+    def ddp_init(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> None:
+        cls = type(self)
+        if cls is DistributedDataParallel:
+            module = _module_argument(args, kwargs)
+            check_supported(module)
+            _check_not_attached(module)
+            original(self, *args, **kwargs)
+            if type(self) is DistributedDataParallel:  # not taken over by an outer context
+                self.__class__ = PSDistributedDataParallel
+                attach(self)  # type: ignore[arg-type]
+            return
+        if not issubclass(cls, PSDistributedDataParallel):
+            raise TypeError(
+                f"{cls.__module__}.{cls.__qualname__} (a DistributedDataParallel "
+                "subclass) was built under PSConfig(strategy='ps'), which can only take "
+                "over plain DistributedDataParallel: the subclass would synchronise on "
+                "its own, not through the parameter servers. Build a plain "
+                "DistributedDataParallel (e.g. ray.train.torch.prepare_model), or use "
+                "PSConfig(strategy='ddp')."
+            )
+        original(self, *args, **kwargs)
+
+    fsdp_cls, fsdp_original = _fsdp_init()
+
+    @functools.wraps(fsdp_original or original)
+    def fsdp_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise TypeError(
+            "FullyShardedDataParallel was built under PSConfig(strategy='ps'); FSDP "
+            "shards and reduces gradients itself and cannot go through the parameter "
+            "servers. Use DistributedDataParallel (Lightning: RayDDPStrategy; Ray: "
+            "prepare_model(parallel_strategy='ddp')), or PSConfig(strategy='ddp') to "
+            "keep FSDP."
+        )
+
+    DistributedDataParallel.__init__ = ddp_init  # type: ignore[method-assign]
+    if fsdp_cls is not None:
+        fsdp_cls.__init__ = fsdp_init
+    try:
+        yield
+    finally:
+        DistributedDataParallel.__init__ = original  # type: ignore[method-assign]
+        if fsdp_cls is not None:
+            fsdp_cls.__init__ = fsdp_original
+
+
+def _fsdp_init() -> tuple[Any, Any]:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # torch built without distributed FSDP
+        return None, None
+    return FullyShardedDataParallel, FullyShardedDataParallel.__dict__["__init__"]
 
 
 class PSTrainFuncContext:
     """Wraps the user's training function on each worker (``train_func_context``).
 
-    On entry it makes ``ray.train.torch.prepare_model`` wrap models in
-    :class:`PSDistributedDataParallel` and registers the optimizer hooks; on exit it
-    restores the original, confirms every model's last update and releases the
-    clients.
+    On entry it makes every ``DistributedDataParallel`` built in the function a
+    :class:`PSDistributedDataParallel` (:func:`ps_ddp_constructors`) and registers the
+    optimizer hooks; on exit it restores DDP, confirms every model's last update and
+    releases the clients. A function that returns without any model having reached
+    the shards, with more than one worker, fails the run
+    (:func:`_check_servers_used`): it trained without them.
 
     Args:
         base: The context manager TorchConfig would use (CUDA device selection).
@@ -114,7 +269,7 @@ class PSTrainFuncContext:
 
     def __init__(self, base: Callable[[], Any]) -> None:
         self._base = base()
-        self._swap = swap_prepare_model_ddp(PSDistributedDataParallel)
+        self._swap = ps_ddp_constructors()
 
     def __enter__(self) -> PSTrainFuncContext:
         self._base.__enter__()
@@ -134,23 +289,38 @@ class PSTrainFuncContext:
     ) -> None:
         self._swap.__exit__(exc_type, exc, tb)
         try:
-            _warn_if_unused()
             _runtime.finish_clients(raising=exc_type is None)
+            _check_servers_used(raising=exc_type is None)
         finally:
             _runtime.remove_optimizer_hooks()
             _runtime.close_clients()
             self._base.__exit__(exc_type, exc, tb)
 
 
-def _warn_if_unused() -> None:
-    """Says so when a PS run never sent anything through the shards."""
+def _check_servers_used(raising: bool) -> None:
+    """Fails a PS run whose training function never reached the shards.
+
+    Such a loop trained with something else (a FSDP or DeepSpeed wrapper, manual
+    all-reduce, no synchronisation at all) while the run reports parameter servers.
+    With one worker there is nothing to synchronise (``prepare_model`` builds no DDP),
+    so that case passes. After a failure in the user's code that error matters more,
+    so this one is only logged.
+
+    Raises:
+        RuntimeError: If no DDP was built on this rank while the world size is above 1.
+    """
     import ray.train
 
-    if _runtime.used_models() == 0 and ray.train.get_context().get_world_size() > 1:
-        logger.warning(
-            "PSConfig(strategy='ps') is set, but no model went through "
-            "ray.train.torch.prepare_model() on rank %d: the parameter servers were "
-            "never used. A DistributedDataParallel built another way (e.g. by a "
-            "framework) synchronises with all-reduce.",
-            ray.train.get_context().get_world_rank(),
-        )
+    ctx = ray.train.get_context()
+    if _runtime.used_models() > 0 or ctx.get_world_size() <= 1:
+        return
+    message = (
+        f"rank {ctx.get_world_rank()}: PSConfig(strategy='ps') is set, but no "
+        "DistributedDataParallel was built in the training function, so the parameter "
+        "servers were never used and this run did not synchronise through them. Wrap "
+        "the model with ray.train.torch.prepare_model(), Lightning's RayDDPStrategy or "
+        "transformers.Trainer (accelerate's DDP), or use PSConfig(strategy='ddp')."
+    )
+    if raising:
+        raise RuntimeError(message)
+    logger.warning(message)

@@ -12,6 +12,7 @@ whose parameters that optimizer holds: the user's optimizer is created after
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -188,6 +189,11 @@ def client_setup(module: torch.nn.Module, info: RunInfo) -> ClientSetup:
     )
 
 
+def module_attached(module: torch.nn.Module) -> bool:
+    """Whether a client of this worker already serves ``module``."""
+    return any(c.setup.module is module for c in _CLIENTS)
+
+
 def register(client: ClientBase) -> None:
     """Adds a prepared model's client; its optimizer steps now reach it."""
     _CLIENTS.append(client)
@@ -215,18 +221,71 @@ def ensure_optimizer_hooks() -> None:
 def remove_optimizer_hooks() -> None:
     while _OPTIMIZER_HOOKS:
         _OPTIMIZER_HOOKS.pop().remove()
+    _PENDING_CLOSURES.clear()
 
 
-def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    for client in _CLIENTS:
-        if client.owns(optimizer):
+def _before_optimizer_step(
+    optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """Runs the owning clients' ``before_step`` right before the parameters change.
+
+    Without a closure that is now. With one (``optimizer.step(closure)``, as PyTorch
+    Lightning's automatic optimization calls it) the forward and backward passes
+    happen inside ``step()``, after this hook: the closure is wrapped so that
+    ``before_step`` runs once it returns, on this step's gradients and on the
+    parameters its forward pass used, before the optimizer touches them.
+    """
+    clients = [c for c in _CLIENTS if c.owns(optimizer)]
+    if not clients:
+        return None
+    closure = kwargs.get("closure") if "closure" in kwargs else (args[1] if len(args) > 1 else None)
+    if closure is None:
+        for client in clients:
             client.before_step()
+        return None
+    wrapped = _StepClosure(closure, clients)
+    _PENDING_CLOSURES[optimizer] = wrapped
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": wrapped}
+    return (args[0], wrapped, *args[2:]), kwargs
 
 
 def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    wrapped = _PENDING_CLOSURES.pop(optimizer, None)
+    if wrapped is not None and not wrapped.called:
+        raise RuntimeError(
+            f"{type(optimizer).__name__}.step() was given a closure but did not call it; "
+            "the parameter servers need the step's gradients before the parameters "
+            "change. Call the closure inside step() (as torch's optimizers do), or run "
+            "forward/backward before optimizer.step() without a closure."
+        )
     for client in _CLIENTS:
         if client.owns(optimizer):
             client.after_step()
+
+
+class _StepClosure:
+    """An optimizer closure that runs the clients' ``before_step`` after its first
+    call (LBFGS calls it again after changing the parameters: those calls are the
+    step's own business)."""
+
+    def __init__(self, closure: Any, clients: list[ClientBase]) -> None:
+        self._closure = closure
+        self._clients = clients
+        self.called = False
+
+    def __call__(self) -> Any:
+        out = self._closure()
+        if not self.called:
+            self.called = True
+            for client in self._clients:
+                client.before_step()
+        return out
+
+
+_PENDING_CLOSURES: weakref.WeakKeyDictionary[torch.optim.Optimizer, _StepClosure] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 # --- end of the training function --------------------------------------------------

@@ -6,7 +6,6 @@ A Ray release that moves one of them fails here, by name, rather than inside a r
 import dataclasses
 import inspect
 
-import pytest
 import ray
 
 from ray_ps_plugin import _ray_compat
@@ -61,25 +60,6 @@ def test_places_and_placement_group_read_a_worker_group():
 
     assert _ray_compat.worker_places(_Group()) == [_ray_compat.WorkerPlace("node-a", 3)]
     assert _ray_compat.worker_placement_group(_Group()) is None
-
-
-def test_prepare_model_reads_a_module_global_that_can_be_swapped():
-    mods = _ray_compat.prepare_model_modules()
-    assert "ray.train.v2.torch.train_loop_utils" in [m.__name__ for m in mods]
-
-    class Marker:
-        pass
-
-    with _ray_compat.swap_prepare_model_ddp(Marker):
-        assert all(m.DistributedDataParallel is Marker for m in mods)
-    assert all(m.DistributedDataParallel is not Marker for m in mods)
-
-
-def test_no_module_to_swap_is_a_loud_error(monkeypatch):
-    monkeypatch.setattr(_ray_compat, "prepare_model_modules", lambda: [])
-    with pytest.raises(RuntimeError, match="could not find the DistributedDataParallel"):
-        with _ray_compat.swap_prepare_model_ddp(object):
-            pass
 
 
 def test_actor_table_is_available():

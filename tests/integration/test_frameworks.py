@@ -1,0 +1,184 @@
+"""PyTorch Lightning and Hugging Face transformers.Trainer under the same PSConfig.
+
+Neither loop names the plugin (tests/integration/frameworks.py): each framework builds
+its own DistributedDataParallel, and under strategy="ps" that DDP is the servers'.
+One Tune sweep runs every framework once per (strategy, mode): DDP, sync, async, and
+SSP with staleness 0; every claim below reads that sweep's trials (a trial is an
+ordinary PSTrainer run, started by ray_ps_plugin.tune.make_trainable).
+
+Resources as in test_tune.py: a trial reserves 1 CPU for its driver plus 2 workers x
+0.5 CPU, so two trials run at a time on the session cluster's 4 logical CPUs.
+"""
+
+import os
+import time
+
+import pytest
+import torch
+from ray import cloudpickle, tune
+from ray.train import FailureConfig, RunConfig, ScalingConfig
+
+pytest.importorskip("pytorch_lightning")
+pytest.importorskip("transformers")
+
+from ray_ps_plugin import PSConfig, PSTrainer
+from ray_ps_plugin.tune import make_trainable
+from tests.integration import frameworks, loops
+
+# Workers cannot import the tests package; ship the loops by value.
+cloudpickle.register_pickle_by_value(frameworks)
+
+# The sweep (8 Train runs, each importing its framework in fresh worker processes)
+# runs in the first test's set-up: ~1-2 min on an idle 2-core machine, ~4 min loaded.
+pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.timeout(900)]
+
+SCALING = ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5})
+CPUS_PER_TRIAL = 1 + SCALING.num_workers * SCALING.resources_per_worker["CPU"]
+STEPS = {"lightning": 24, "transformers": 12}
+CONFIGS = {
+    "ddp": {"strategy": "ddp"},
+    "sync": {"strategy": "ps", "mode": "sync"},
+    "async": {"strategy": "ps", "mode": "async"},
+    # Bulk-synchronous SSP: every worker reads parameters holding all updates of the
+    # previous step, so for an optimizer linear in the gradients it is DDP's maths.
+    "ssp": {"strategy": "ps", "mode": "ssp", "staleness": 0},
+}
+FRAMEWORKS = ("lightning", "transformers")
+
+
+def _name(cfg):
+    return cfg.get("mode", "ddp") if cfg["strategy"] == "ps" else "ddp"
+
+
+@pytest.fixture(scope="module")
+def sweep(ray_cluster, tmp_path_factory):
+    """framework x (strategy, mode): 8 trials, each one Train run of 2 workers."""
+    storage = str(tmp_path_factory.mktemp("frameworks") / "ray_results")
+    trainable = make_trainable(
+        frameworks.framework_loop,
+        SCALING,
+        ps_config_kwargs={"ps_timeout_s": 60.0, "ps_start_timeout_s": 60.0},
+    )
+    start = time.monotonic()
+    results = tune.Tuner(
+        trainable,
+        param_space={
+            "ps_config": tune.grid_search(list(CONFIGS.values())),
+            "framework": tune.grid_search(list(FRAMEWORKS)),
+            "steps": STEPS,  # per framework
+        },
+        tune_config=tune.TuneConfig(max_concurrent_trials=int(4 // CPUS_PER_TRIAL)),
+        run_config=tune.RunConfig(storage_path=storage, name="frameworks", verbose=0),
+    ).fit()
+    elapsed = time.monotonic() - start
+    assert not results.errors, results.errors
+    runs = {(r.config["framework"], _name(r.config["ps_config"])): r for r in results}
+    print(f"framework sweep: {len(runs)} trials in {elapsed:.1f}s")
+    for (fw, name), r in sorted(runs.items()):
+        m = r.metrics
+        print(
+            f"  {fw:12s} {name:5s} loss={m['final_loss']:.4f} step={m['step_ms']:.1f}ms "
+            f"pushed={m.get('ps_bytes_pushed', 0)}B wrapper={m['wrapper']}"
+        )
+    return runs
+
+
+def _state(result):
+    path = os.path.join(result.metrics["checkpoint_path"], "model.pt")
+    return torch.load(path, weights_only=True, map_location="cpu")
+
+
+def _max_diff(a, b):
+    assert a.keys() == b.keys()
+    return max(
+        (a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].is_floating_point()
+    )
+
+
+def test_sweep_ran_every_framework_once_per_strategy_and_mode(sweep):
+    assert set(sweep) == {(fw, name) for fw in FRAMEWORKS for name in CONFIGS}
+    for (fw, name), r in sweep.items():
+        m = r.metrics
+        assert m["steps"] == STEPS[fw], (fw, name, m)
+        assert m["has_ps_context"] == (name != "ddp")
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_framework_ddp_is_the_servers_under_ps(sweep, framework):
+    """The DDP the framework built is a PSDistributedDataParallel, and it pushed."""
+    assert sweep[framework, "ddp"].metrics["wrapper"] == "DistributedDataParallel"
+    for name in ("sync", "async", "ssp"):
+        m = sweep[framework, name].metrics
+        assert m["wrapper"] == "PSDistributedDataParallel", (name, m)
+        assert m["ps_mode"] == name and m["ps_num_models"] == 1
+        assert m["ps_steps"] == STEPS[framework]
+        assert m["ps_bytes_pushed"] > 0 and m["ps_bytes_pulled"] > 0
+
+
+def test_lightning_sync_ps_ends_with_ddp_parameters(sweep):
+    ddp, ps = _state(sweep["lightning", "ddp"]), _state(sweep["lightning", "sync"])
+    diff = _max_diff(ddp, ps)
+    print(f"lightning sync vs ddp: max |diff| = {diff:.3g}")
+    assert diff <= 1e-5
+    assert _max_diff(ddp, _initial_lightning_state()) > 1e-2  # it trained
+
+
+def test_transformers_sync_ps_ends_with_ddp_parameters(sweep):
+    # AdamW (the Trainer's default): the summed gradients differ from all-reduce's
+    # only by float rounding, and Adam's normalisation keeps that at rounding level.
+    ddp, ps = _state(sweep["transformers", "ddp"]), _state(sweep["transformers", "sync"])
+    diff = _max_diff(ddp, ps)
+    print(f"transformers sync vs ddp: max |diff| = {diff:.3g}")
+    assert diff <= 1e-5
+    torch.manual_seed(0)
+    assert _max_diff(ddp, frameworks.tiny_bert().state_dict()) > 1e-3  # it trained
+
+
+def test_lightning_ssp_zero_is_ddp_maths(sweep):
+    """With staleness 0 and momentum SGD (linear in the gradients) the servers'
+    parameters after Lightning's closure-driven steps equal DDP's."""
+    ddp, ssp = _state(sweep["lightning", "ddp"]), _state(sweep["lightning", "ssp"])
+    diff = _max_diff(ddp, ssp)
+    print(f"lightning ssp(0) vs ddp: max |diff| = {diff:.3g}")
+    assert diff <= 1e-4
+
+
+def test_lightning_closure_step_skips_a_nan_step_before_it_is_applied(ray_cluster, storage):
+    """Lightning calls optimizer.step(closure): forward and backward run inside step().
+    The servers' checks must see that step's summed gradient before the parameters
+    change: with nan_policy="skip" the NaN step is dropped on both workers and the
+    model stays finite (checked before backward, the NaN would reach the weights)."""
+    trainer = PSTrainer(
+        frameworks.framework_loop,
+        train_loop_config={"framework": "lightning", "steps": 8, "nan_step": 3},
+        ps_config=PSConfig(strategy="ps", mode="sync", nan_policy="skip"),
+        scaling_config=SCALING,
+        run_config=RunConfig(storage_path=storage, name="nan", failure_config=FailureConfig(0)),
+    )
+    m = trainer.fit().metrics
+    assert m["ps_skipped_steps"] == 1 and m["ps_steps"] == 8, m
+    assert m["finite"], m
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_async_and_ssp_train_and_stay_finite(sweep, framework, mode):
+    m, ddp = sweep[framework, mode].metrics, sweep[framework, "ddp"].metrics
+    assert m["finite"] and all(
+        torch.isfinite(v).all() for v in _state(sweep[framework, mode]).values()
+    )
+    # Learned about as much as DDP did in the same number of steps.
+    assert m["final_loss"] <= ddp["final_loss"] + 0.05, (m["final_loss"], ddp["final_loss"])
+
+
+def test_nothing_outlives_the_framework_sweep(sweep):
+    assert loops.wait_until(lambda: loops.live_shards() == 0)
+    assert loops.wait_until(lambda: loops.live_placement_groups() == 0)
+
+
+def _initial_lightning_state():
+    import pytorch_lightning as pl  # noqa: F401  (the module's base class)
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    return {f"net.{k}": v for k, v in net.state_dict().items()}
