@@ -13,12 +13,13 @@ import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray import cloudpickle  # noqa: E402
 
-from tests.integration import digits, faults, loops  # noqa: E402
+from tests.integration import compat_loops, digits, faults, loops  # noqa: E402
 
 # Workers cannot import the tests package; ship the loops by value.
 cloudpickle.register_pickle_by_value(loops)
 cloudpickle.register_pickle_by_value(digits)
 cloudpickle.register_pickle_by_value(faults)
+cloudpickle.register_pickle_by_value(compat_loops)
 
 
 @pytest.fixture(scope="session")
