@@ -428,6 +428,40 @@ def resnet_ratio(variant: str) -> str:
     return _x(_resnet(variant)["samples_per_s"] / _resnet("ddp")["samples_per_s"])
 
 
+# --- across a shaped link (benchmarks/net_step_time.py on benchmarks/netbed.py) -------
+NET_LABELS = {
+    "ddp": "DDP",
+    "ddp_bf16": "DDP + torch `bf16_compress_hook`",
+    "ps_sync": "PS sync",
+    "ps_sync_bf16": "PS sync, `compression=\"bf16\"`",
+}
+
+
+def net_table() -> str:
+    d = _json("net_step_time")
+    rows = [
+        [
+            NET_LABELS.get(v, f"`{v}`"),
+            f"{ms:.0f}",
+            _x(d["ratio_to_ddp"][v]),
+            f"{d['rank0_link_mb_per_step'][v]:.1f}",
+        ]
+        for v, ms in d["mean_step_ms"].items()
+    ]
+    header = ["variant", "mean step (ms)", "ratio to DDP", "rank 0's link, MB/step (sent + received)"]
+    shape = (
+        f"{d['nodes']} nodes × {d['workers_per_node']} worker(s), links shaped to {d['rate']}. "
+    )
+    return shape + _provenance("net_step_time", "net_step_time", "net_step_time.json") + (
+        "\n\n" + _table(header, rows)
+    )
+
+
+def net_ratio(variant: str) -> str:
+    """A variant's step time over DDP's across the shaped link, e.g. ``1.30×``."""
+    return _x(_json("net_step_time")["ratio_to_ddp"][variant])
+
+
 # --- the markers -----------------------------------------------------------------------
 RENDERERS: dict[str, Callable[..., str]] = {
     f.__name__: f
@@ -454,6 +488,8 @@ RENDERERS: dict[str, Callable[..., str]] = {
         curve_rss,
         resnet_table,
         resnet_ratio,
+        net_table,
+        net_ratio,
     )
 }
 
