@@ -433,7 +433,7 @@ NET_LABELS = {
     "ddp": "DDP",
     "ddp_bf16": "DDP + torch `bf16_compress_hook`",
     "ps_sync": "PS sync",
-    "ps_sync_bf16": "PS sync, `compression=\"bf16\"`",
+    "ps_sync_bf16": 'PS sync, `compression="bf16"`',
 }
 
 
@@ -448,12 +448,17 @@ def net_table() -> str:
         ]
         for v, ms in d["mean_step_ms"].items()
     ]
-    header = ["variant", "mean step (ms)", "ratio to DDP", "rank 0's link, MB/step (sent + received)"]
-    shape = (
-        f"{d['nodes']} nodes × {d['workers_per_node']} worker(s), links shaped to {d['rate']}. "
-    )
-    return shape + _provenance("net_step_time", "net_step_time", "net_step_time.json") + (
-        "\n\n" + _table(header, rows)
+    header = [
+        "variant",
+        "mean step (ms)",
+        "ratio to DDP",
+        "rank 0's link, MB/step (sent + received)",
+    ]
+    shape = f"{d['nodes']} nodes × {d['workers_per_node']} worker(s), links shaped to {d['rate']}. "
+    return (
+        shape
+        + _provenance("net_step_time", "net_step_time", "net_step_time.json")
+        + ("\n\n" + _table(header, rows))
     )
 
 
