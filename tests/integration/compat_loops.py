@@ -24,6 +24,7 @@ import pickle
 import re
 import sys
 import tempfile
+import time
 import traceback
 import types
 from collections import OrderedDict
@@ -469,7 +470,12 @@ def single_model_loop(config: dict[str, Any]) -> None:
         for _ in range(n):
             x1, y1 = batch()
             x2, y2 = batch()
-            a, b = model(x1), model(x2)
+            a = model(x1)
+            # Work between the two forwards (loading the pair's second half, a
+            # generator pass...) takes time; here a pause, so that under async/ssp the
+            # reply to the previous step's push is back before the second forward.
+            time.sleep(0.2)
+            b = model(x2)
             loss = F.mse_loss(a - b, y1 - y2)
             opt.zero_grad()
             loss.backward()

@@ -9,9 +9,10 @@ on two workers and checks:
 - ``async`` / ``ssp1`` (staleness 1): the loop finishes, parameters are finite and
   the loss went down.
 
-Each (loop, mode) pair is run once per session and shared by the tests that read it.
-Loops that cover several patterns record each pattern's failure separately, so one
-failing pattern fails its own test, not its neighbours'.
+Each (loop, mode) pair is run once per session and shared by the tests that read it
+(``pytest -s`` prints one ``[compat] <case>-<mode>: <seconds>: ok | <root error>``
+line per run). Loops that cover several patterns record each pattern's failure
+separately, so one failing pattern fails its own test, not its neighbours'.
 """
 
 import os
@@ -50,8 +51,9 @@ RESUME_DRIFT_MAX = 0.5  # see compat_loops.resume_loop
 def _regression_datasets() -> dict[str, Any]:
     """torch_regression_example's two datasets, synthetic (its driver reads S3).
 
-    Unsplit and in order: every worker reads the same rows in the same order, so the
-    DDP reference is deterministic (with Ray Data's defaults it is not).
+    Unsplit, with Ray Data's order preserved: every worker reads the same rows in
+    the same order on every run (a split is assigned to workers dynamically), so the
+    DDP reference is deterministic.
     """
     options = DataConfig.default_ingest_options()
     options.preserve_order = True
