@@ -15,7 +15,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -46,6 +46,7 @@ class ClientSetup:
         local_shards: Shards this worker reaches through shared memory.
         remote_shards: Shards on other nodes (their traffic crosses the network).
         metrics: Exports the counters through ``ray.util.metrics``, if available.
+        topology: The run's topology from the mode's start-up (sync), or ``None``.
     """
 
     model_id: int
@@ -58,6 +59,7 @@ class ClientSetup:
     local_shards: tuple[int, ...] = ()
     remote_shards: frozenset[int] = frozenset()
     metrics: WorkerMetrics | None = None
+    topology: Any = None
 
 
 def _trainable_flags(module: torch.nn.Module) -> tuple[tuple[str, bool], ...]:

@@ -51,6 +51,12 @@ class Codec:
     def active(self) -> bool:
         return self.compression is not None
 
+    def wire_np_dtype(self, dtype: str) -> str:
+        """The NumPy dtype of a wire array carrying values of ``dtype``."""
+        if self.compression == "bf16":
+            return "int16"  # bf16 travels as its raw 16-bit patterns
+        return "float16" if self.compression == "fp16" else dtype
+
     def encode(self, t: torch.Tensor) -> np.ndarray:
         """A host array of ``t`` in the wire format (a view when nothing changes)."""
         t = t.detach()

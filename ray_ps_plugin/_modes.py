@@ -7,7 +7,7 @@ whether DDP's own reducer stays in the forward pass.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +16,7 @@ from ray_ps_plugin._param.client import ParamClient
 from ray_ps_plugin._param.shard import ParamShard
 from ray_ps_plugin._shard import ShardBase
 from ray_ps_plugin._sync.client import SumClient
+from ray_ps_plugin._sync.setup import connect_shards
 from ray_ps_plugin._sync.shard import SumShard
 from ray_ps_plugin._transport import Transport
 from ray_ps_plugin._types import Mode, RunSettings, staleness_bound
@@ -33,12 +34,16 @@ class ModeSpec:
         build_client: Builds the worker client of one prepared model.
         uses_reducer: Whether DDP's reducer runs (sync: its buckets feed the shards)
             or forward calls the module directly (async/ssp own the parameters).
+        connect: Run start-up after every shard is ready, given the shard actors,
+            each worker's and each shard's node id and the config; what it returns
+            reaches every client as ``ClientSetup.topology``.
     """
 
     shard_cls: type[ShardBase]
     shard_args: Callable[[RunSettings], tuple[Any, ...]]
     build_client: Callable[[ClientSetup, Transport], ClientBase]
     uses_reducer: bool
+    connect: Callable[[Sequence[Any], Sequence[str], Sequence[str], RunSettings], Any] | None = None
 
 
 _SUM = ModeSpec(
@@ -46,6 +51,7 @@ _SUM = ModeSpec(
     shard_args=lambda cfg: (cfg.ps_timeout_s, cfg.compression),
     build_client=SumClient.build,
     uses_reducer=True,
+    connect=connect_shards,
 )
 _PARAM = ModeSpec(
     shard_cls=ParamShard,

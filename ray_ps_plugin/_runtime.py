@@ -48,11 +48,14 @@ class RunInfo:
         settings: The run's PSConfig.
         servers: Actor handles of the shards, in shard order.
         server_node_ids: Node id of each shard.
+        topology: What the mode's start-up found (sync: who relays for whom and
+            the shards' direct data paths); ``None`` in async/ssp.
     """
 
     settings: RunSettings
     servers: Sequence[Any]
     server_node_ids: Sequence[str]
+    topology: Any = None
 
 
 @dataclass(frozen=True)
@@ -186,6 +189,7 @@ def client_setup(module: torch.nn.Module, info: RunInfo) -> ClientSetup:
         local_shards=local if info.settings.shared_memory else (),
         remote_shards=frozenset(i for i, n in enumerate(info.server_node_ids) if n != node),
         metrics=_worker_metrics(info.settings.mode, rank, len(_CLIENTS)),
+        topology=info.topology,
     )
 
 

@@ -10,7 +10,9 @@ real shard objects on an in-process event loop.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -58,6 +60,9 @@ class Transport(Protocol):
 class RayTransport:
     """Calls shard actors through Ray; bulk arguments travel in the object store.
 
+    Its waits also accept ``concurrent.futures.Future`` handles: pushes made on the
+    sync mode's direct data path, waited for together with Ray calls.
+
     Args:
         servers: The shard actor handles, in shard order.
         timeout_s: Bound on the blocking calls (``attach``).
@@ -83,16 +88,33 @@ class RayTransport:
     def done(self, handles: Sequence[Any]) -> bool:
         import ray
 
-        ready, _ = ray.wait(list(handles), num_returns=len(handles), timeout=0, fetch_local=False)
-        return len(ready) == len(handles)
+        refs = [h for h in handles if not isinstance(h, concurrent.futures.Future)]
+        if len(refs) < len(handles) and not all(
+            h.done() for h in handles if isinstance(h, concurrent.futures.Future)
+        ):
+            return False
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+        return len(ready) == len(refs)
 
     def wait(self, handles: Sequence[Any], timeout_s: float) -> list[Any]:
         import ray
 
+        deadline = time.monotonic() + timeout_s
+        refs = [h for h in handles if not isinstance(h, concurrent.futures.Future)]
         try:
-            return list(ray.get(list(handles), timeout=timeout_s))
+            got = iter(ray.get(refs, timeout=timeout_s) if refs else [])
         except ray.exceptions.GetTimeoutError as e:
             raise WaitTimeout(str(e)) from e
+        out = []
+        for h in handles:
+            if not isinstance(h, concurrent.futures.Future):
+                out.append(next(got))
+                continue
+            try:
+                out.append(h.result(timeout=max(0.0, deadline - time.monotonic())))
+            except concurrent.futures.TimeoutError as e:
+                raise WaitTimeout("a push on the direct data path is not answered") from e
+        return out
 
     def silent(self, shards: Sequence[int], timeout_s: float) -> list[int]:
         import ray

@@ -11,11 +11,13 @@ from typing import Literal, Protocol, get_args
 
 __all__ = [
     "COMPRESSIONS",
+    "DATA_PATHS",
     "MODES",
     "NAN_POLICIES",
     "SERVER_PLACEMENTS",
     "STRATEGIES",
     "Compression",
+    "DataPath",
     "Mode",
     "NanPolicy",
     "RunSettings",
@@ -29,12 +31,14 @@ Mode = Literal["sync", "async", "ssp"]
 NanPolicy = Literal["raise", "skip", "ignore"]
 Compression = Literal["bf16", "fp16"]
 ServerPlacement = Literal["worker", "node"]
+DataPath = Literal["tcp", "object_store"]
 
 STRATEGIES: tuple[Strategy, ...] = get_args(Strategy)
 MODES: tuple[Mode, ...] = get_args(Mode)
 NAN_POLICIES: tuple[NanPolicy, ...] = get_args(NanPolicy)
 COMPRESSIONS: tuple[Compression, ...] = get_args(Compression)
 SERVER_PLACEMENTS: tuple[ServerPlacement, ...] = get_args(ServerPlacement)
+DATA_PATHS: tuple[DataPath, ...] = get_args(DataPath)
 
 
 def staleness_bound(settings: RunSettings) -> int | None:
@@ -53,6 +57,9 @@ class RunSettings(Protocol):
     staleness: int
     chunk_bytes: int
     ps_timeout_s: float
+    ps_start_timeout_s: float
     nan_policy: NanPolicy
     compression: Compression | None
     shared_memory: bool
+    data_path: DataPath
+    node_aggregation: bool

@@ -35,11 +35,13 @@ from ray_ps_plugin._ray_compat import (
 from ray_ps_plugin._sync.client import SHARD_MAX_CONCURRENCY
 from ray_ps_plugin._types import (
     COMPRESSIONS,
+    DATA_PATHS,
     MODES,
     NAN_POLICIES,
     SERVER_PLACEMENTS,
     STRATEGIES,
     Compression,
+    DataPath,
     Mode,
     NanPolicy,
     ServerPlacement,
@@ -83,18 +85,26 @@ class PSConfig(TorchConfig):
             (fail with an error naming rank and step), ``"skip"`` (the optimizer
             step is dropped, with a warning) or ``"ignore"`` (no check, like DDP).
         compression: ``None`` (the model's dtype on the wire), ``"bf16"`` or
-            ``"fp16"``: what workers and shards send each other through Ray's object
-            store as 16-bit values, halving the bytes. Shards keep their sums and
+            ``"fp16"``: what workers and shards send each other between nodes as
+            16-bit values, halving the bytes. Shards keep their sums and
             master parameters in the model's dtype (at least fp32); shared memory
             carries full precision.
         shared_memory: Whether a worker exchanges data with the shards of its own
             node through shared memory (only a small control message per chunk goes
-            through Ray), as BytePS does within a machine. Shards on other nodes are
-            always reached through Ray's object store. Turn it off to force every
-            byte through the object store (e.g. to compare the two).
+            through Ray), as BytePS does within a machine. Turn it off to force every
+            byte of a node's own shards through the object store (e.g. to compare).
         server_placement: ``"worker"`` (one shard per worker, in its bundle; or
             ``num_servers`` shards round-robin over the workers) or ``"node"`` (one
             shard per node, in the bundle of that node's lowest-rank worker).
+        data_path: How sync-mode chunks cross between nodes: ``"tcp"`` (a direct
+            TCP stream from the pusher to the shard, opened on the node's address
+            when the run starts; the fast path) or ``"object_store"`` (as Ray
+            actor-call arguments and results; use it where the nodes allow only
+            Ray's own ports). Async/ssp always use the object store.
+        node_aggregation: Whether, in sync mode, the workers of a node with several
+            workers first sum their gradients on that node's first shard, which
+            then sends one partial sum per node across the network (needs
+            ``data_path="tcp"`` and a shard on the node; ignored otherwise).
         backend: Torch process-group backend (see TorchConfig). The PS strategy still
             starts one, because DDP's constructor broadcasts rank 0's initial
             parameters and buffers through it.
@@ -117,6 +127,8 @@ class PSConfig(TorchConfig):
     compression: Compression | None = None
     server_placement: ServerPlacement = "worker"
     shared_memory: bool = True
+    data_path: DataPath = "tcp"
+    node_aggregation: bool = True
 
     def __post_init__(self) -> None:
         _check_choice("strategy", self.strategy, STRATEGIES)
@@ -136,11 +148,13 @@ class PSConfig(TorchConfig):
         if self.compression is not None:
             _check_choice("compression", self.compression, COMPRESSIONS)
         _check_choice("server_placement", self.server_placement, SERVER_PLACEMENTS)
-        if not isinstance(self.shared_memory, bool):
-            raise TypeError(
-                f"PSConfig.shared_memory must be True or False, got "
-                f"{type(self.shared_memory).__name__} {self.shared_memory!r}."
-            )
+        _check_choice("data_path", self.data_path, DATA_PATHS)
+        for name in ("shared_memory", "node_aggregation"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(
+                    f"PSConfig.{name} must be True or False, got {type(value).__name__} {value!r}."
+                )
         if self.server_placement == "node" and self.num_servers is not None:
             raise ValueError(
                 f"PSConfig.server_placement='node' starts one shard per node and cannot "
@@ -286,10 +300,14 @@ class PSBackend(TorchBackend):
                 f"{len(placements)} parameter-server shard(s) did not start within "
                 f"ps_start_timeout_s={cfg.ps_start_timeout_s:g}s."
             ) from e
+        server_nodes = [r["node_id"] for r in ready]
+        worker_nodes = [p.node_id for p in worker_places(worker_group)]
+        connect = MODE_SPECS[cfg.mode].connect
         info = _runtime.RunInfo(
             settings=cfg,
             servers=list(self._servers),
-            server_node_ids=[r["node_id"] for r in ready],
+            server_node_ids=server_nodes,
+            topology=connect(self._servers, worker_nodes, server_nodes, cfg) if connect else None,
         )
         ray.get(worker_group.execute_async(_runtime.install_run, info), timeout=cfg.ps_timeout_s)
         logger.info(

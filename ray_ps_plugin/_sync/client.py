@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from ray_ps_plugin._client import ClientBase, ClientSetup
@@ -36,6 +37,8 @@ from ray_ps_plugin._codec import Codec
 from ray_ps_plugin._errors import PSError
 from ray_ps_plugin._nonfinite import all_finite
 from ray_ps_plugin._sync.layout import Piece, StreamLayout
+from ray_ps_plugin._sync.topology import Route, Topology
+from ray_ps_plugin._sync.wire import WireThread
 from ray_ps_plugin._transport import Lane, Transport, open_lanes, wait_all
 
 if TYPE_CHECKING:
@@ -50,9 +53,11 @@ logger = logging.getLogger(__name__)
 SHARD_MAX_CONCURRENCY = 4096
 
 
-def check_concurrency(layout: StreamLayout, world_size: int) -> None:
+def check_concurrency(layout: StreamLayout, world_size: int, relays: bool = False) -> None:
     """Raises if a step has more in-flight pushes per shard than a shard admits."""
     largest_share = max(b - a for a, b in zip(layout.bounds, layout.bounds[1:]))
+    if relays:
+        largest_share = layout.total_bytes  # a relay also holds other nodes' chunks
     # Bucket boundaries add one extra cut each; +8 allows for a handful of buckets
     # falling inside one shard's range.
     chunks = -(-largest_share // layout.chunk_bytes) + 8
@@ -88,7 +93,11 @@ class SumClient(ClientBase):
         layout: Where each chunk goes (and so how many shards there are).
         transport: How calls reach the shards.
         lanes: Shards of this node reached through shared memory, by shard index;
-            the others are reached through the object store.
+            the others are reached through the object store or the direct path.
+        routes: Where the chunks of each owner shard go (see
+            :class:`~ray_ps_plugin._sync.topology.Topology`); by default each to its
+            owner.
+        wire: The direct data path to other nodes' shards, if the run has one.
     """
 
     def __init__(
@@ -97,11 +106,17 @@ class SumClient(ClientBase):
         layout: StreamLayout,
         transport: Transport,
         lanes: dict[int, Lane],
+        routes: list[Route] | None = None,
+        wire: WireThread | None = None,
     ) -> None:
         super().__init__(setup, layout.num_shards, check_local=False)
         self._transport = transport
         self._layout = layout
         self._lanes = dict(lanes)
+        self._routes = routes or [
+            Route(s, direct=s in setup.remote_shards) for s in range(layout.num_shards)
+        ]
+        self._wire = wire
         self._codec = Codec(setup.settings.compression)
         self._stream_offset = 0
         self._round: list[torch.futures.Future[torch.Tensor]] = []  # this step's futures
@@ -121,15 +136,30 @@ class SumClient(ClientBase):
             setup.num_shards,
             setup.settings.chunk_bytes,
         )
-        check_concurrency(layout, setup.world_size)
+        topology: Topology | None = setup.topology
+        relay = None
+        if topology is not None:
+            relay = topology.relay_of(topology.worker_nodes[setup.rank])
+        check_concurrency(layout, setup.world_size, relays=relay is not None)
         # The segment covers the shard's byte range plus slack: a chunk's last
         # element may end a few bytes past the range when the range is not aligned.
+        # The node's relay also receives every other node's range: the whole stream.
         spans = {
-            s: (layout.bounds[s], layout.bounds[s + 1] - layout.bounds[s] + 16)
+            s: (0, layout.total_bytes + 16)
+            if s == relay
+            else (layout.bounds[s], layout.bounds[s + 1] - layout.bounds[s] + 16)
             for s in setup.local_shards
         }
         lanes = open_lanes(transport, setup.model_id, spans, setup.rank)
-        return cls(setup, layout, transport, lanes)
+        routes = None
+        wire = None
+        if topology is not None:
+            # Without shared memory with the relay, chunks still go to it (through
+            # the object store): the owners count this node's partial sum, not ranks.
+            routes = [topology.route(setup.rank, s) for s in range(layout.num_shards)]
+            if topology.addresses and any(r.direct for r in routes):
+                wire = WireThread(topology.addresses, setup.settings.ps_start_timeout_s)
+        return cls(setup, layout, transport, lanes, routes, wire)
 
     def bind(self, ddp: "DistributedDataParallel") -> None:
         """Replaces DDP's all-reduce with :meth:`hook`; DDP keeps its buckets."""
@@ -159,7 +189,8 @@ class SumClient(ClientBase):
         step = self._stats.steps
         pieces = self._layout.cut(self._stream_offset, buf.numel(), buf.element_size())
         self._stream_offset += buf.numel() * buf.element_size()
-        remote = [p for p in pieces if p.shard not in self._lanes]
+        routes = [self._routes[p.shard] for p in pieces]
+        remote = [p for p, r in zip(pieces, routes) if r.target not in self._lanes]
         dtype = _np_dtype(buf)
         # Workers divide by the world size before pushing, as DDP's all-reduce hook
         # does. A CPU chunk bound for shared memory is divided straight into it (one
@@ -175,20 +206,31 @@ class SumClient(ClientBase):
         # memory carries full precision, since no network is involved.
         host = self._codec.encode(buf) if remote else None
         handles = []
-        for p in pieces:
-            lane = self._lanes.get(p.shard)
+        for p, route in zip(pieces, routes):
+            lane = self._lanes.get(route.target)
+            # The owner rides along only to a relay (the shard itself is the default).
+            relayed = () if route.target == p.shard else (p.shard,)
             if lane is None:
                 assert host is not None
+                chunk = host[p.start : p.stop]
+                if route.direct and self._wire is not None:
+                    handles.append(
+                        self._wire.push(
+                            route.target, self.model_id, step, p.key, self.rank, dtype, chunk
+                        )
+                    )
+                    continue
                 handles.append(
                     self._transport.call(
-                        p.shard,
+                        route.target,
                         "push_pull",
                         self.model_id,
                         step,
                         p.key,
                         self.rank,
-                        host[p.start : p.stop],
+                        chunk,
                         dtype,
+                        *relayed,
                     )
                 )
                 continue
@@ -199,16 +241,24 @@ class SumClient(ClientBase):
                 dst.copy_(staged[p.start : p.stop])
             handles.append(
                 self._transport.call(
-                    p.shard, "push_local", self.model_id, step, p.key, self.rank, dtype, p.numel
+                    route.target,
+                    "push_local",
+                    self.model_id,
+                    step,
+                    p.key,
+                    self.rank,
+                    dtype,
+                    p.numel,
+                    *relayed,
                 )
             )
         with self._lock:
-            for p in pieces:
-                wired = p.shard not in self._lanes
+            for p, route in zip(pieces, routes):
+                wired = route.target not in self._lanes
                 nbytes = p.numel * (
                     host.itemsize if wired and host is not None else buf.element_size()
                 )
-                self._count_push(p.shard, nbytes)
+                self._count_push(route.target, nbytes)
             self._stats.pushes += len(pieces)
         self._queue.put(_Pending(step, buf, pieces, handles, fut, time.perf_counter()))
         return fut
@@ -261,25 +311,29 @@ class SumClient(ClientBase):
         return f"rank {self.rank}: model {self.model_id}: step {item.step}"
 
     def _complete(self, item: _Pending) -> None:
+        targets = [self._routes[p.shard].target for p in item.pieces]
         results = wait_all(
             self._transport,
             item.handles,
-            [p.shard for p in item.pieces],
+            targets,
             self.settings.ps_timeout_s,
             self._where(item),
         )
         nbytes = cross = 0
         bucket = item.bucket
         dtype = _np_dtype(bucket)
-        for p, r in zip(item.pieces, results):
-            lane = self._lanes.get(p.shard)
+        wire_dtype = self._codec.wire_np_dtype(dtype)
+        for p, target, r in zip(item.pieces, targets, results):
+            lane = self._lanes.get(target)
             if lane is not None:
                 r = lane.outputs[item.step % 2].view(p.key - lane.lo, dtype, p.numel)
                 bucket[p.start : p.stop].copy_(torch.from_numpy(r))
             else:
+                if r.dtype == np.uint8:  # raw bytes from the direct path
+                    r = r.view(wire_dtype)
                 bucket[p.start : p.stop].copy_(self._codec.decode(r, bucket.dtype))
             nbytes += r.nbytes
-            if p.shard in self.remote_shards:
+            if target in self.remote_shards:
                 cross += r.nbytes
         if self.guard.policy != "ignore" and not all_finite(bucket):
             # Every worker holds the same sum, so every worker flags the same step.
@@ -306,3 +360,5 @@ class SumClient(ClientBase):
         lanes, self._lanes = self._lanes, {}
         for lane in lanes.values():
             lane.close()
+        if self._wire is not None:
+            self._wire.close()

@@ -7,6 +7,11 @@ default hook does before its all-reduce, so the result is DDP's arithmetic.
 
 Each prepared model of the run has its own slots and segments on the shard (keyed
 by the model's id), so two models with equal shapes never mix their sums.
+
+Across nodes (see :mod:`ray_ps_plugin._sync.topology`) a shard also listens on a
+direct TCP data path (:mod:`ray_ps_plugin._sync.wire`) and, if it is its node's
+relay, first sums its node's workers' chunks for other nodes' shards and sends one
+partial sum per chunk to the owner.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from ray_ps_plugin._codec import Codec
 from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
 from ray_ps_plugin._shard import ShardBase
 from ray_ps_plugin._shm import Segment, SegmentHandle
+from ray_ps_plugin._sync.topology import Topology
+from ray_ps_plugin._sync.wire import Frame, WireClient, WireServer
 from ray_ps_plugin._types import Compression
 
 __all__ = ["SumShard"]
@@ -31,11 +38,14 @@ class _Slot:
 
     step: int
     acc: np.ndarray
-    ranks: set[int] = field(default_factory=set)
+    expected: frozenset[int]  # the sources whose pushes complete it
+    owner: int  # the shard that owns the chunk (another one: this shard relays)
+    ranks: set[int] = field(default_factory=set)  # sources that pushed so far
     wire: np.ndarray | None = None  # the sum in the wire format, once complete
     shared: bool = False  # whether ``acc`` lies in the model's output segment
     wired: bool = False  # whether some worker pushed (and so pulls) through the wire
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    error: Exception | None = None  # why a relayed sum failed, for every waiter
 
 
 @dataclass
@@ -73,6 +83,63 @@ class SumShard(ShardBase):
         super().__init__(shard_index, num_workers, timeout_s)
         self._codec = Codec(compression)
         self._models: dict[int, _Model] = {}
+        self._topology: Topology | None = None
+        self._own_sources = frozenset(range(num_workers))
+        self._relayed: frozenset[int] = frozenset()
+        self._wire_server: WireServer | None = None
+        self._wire_client: WireClient | None = None
+
+    async def open_wire(self, host: str | None = None) -> tuple[str, int]:
+        """Starts listening for pushes on the direct data path; returns its address.
+
+        Args:
+            host: Address to listen on; by default the node's address in Ray.
+        """
+        if self._wire_server is None:
+            if host is None:
+                import ray
+
+                host = ray.util.get_node_ip_address()
+            self._wire_server = WireServer(self._on_frame)
+            self._address = await self._wire_server.start(host)
+        return self._address
+
+    async def configure(self, topology: Topology) -> None:
+        """Learns the run's topology: which sources complete its chunks, for which
+        workers it relays, and where the other shards listen."""
+        if topology.num_workers != self.num_workers:
+            raise ShardProtocolError(
+                f"shard {self.shard_index}: topology of {topology.num_workers} workers, "
+                f"expected {self.num_workers}."
+            )
+        self._topology = topology
+        self._own_sources = topology.sources(self.shard_index)
+        self._relayed = topology.relayed_ranks(self.shard_index)
+        if self._relayed and topology.addresses:
+            self._wire_client = WireClient(topology.addresses, self.timeout_s)
+
+    def _describe(self, source: int) -> str:
+        if self._topology is None:
+            return f"worker {source}"
+        return self._topology.describe(source)
+
+    async def _on_frame(self, frame: Frame, payload: np.ndarray) -> np.ndarray:
+        """A push that came on the direct data path: from a worker of another node
+        that has no relay, or from another node's relay."""
+        self._check(frame.model, 0, frame.dtype)
+        if frame.source not in self._own_sources:
+            raise ShardProtocolError(
+                f"shard {self.shard_index}: source {frame.source} "
+                f"({self._describe(frame.source)}) does not push to this shard directly."
+            )
+        wire = payload.view(self._codec.wire_np_dtype(frame.dtype))
+        values = self._codec.decode_np(wire, frame.dtype)
+        with self._queued():
+            out = await self._push_pull(
+                frame.model, frame.step, frame.key, frame.source, values, payload.nbytes, True
+            )
+        assert out is not None
+        return out
 
     def _model(self, model: int) -> _Model:
         return self._models.setdefault(model, _Model())
@@ -115,7 +182,14 @@ class SumShard(ShardBase):
         return tuple(s.handle for s in state.outputs)
 
     async def push_local(
-        self, model: int, step: int, key: int, rank: int, dtype: str, numel: int
+        self,
+        model: int,
+        step: int,
+        key: int,
+        rank: int,
+        dtype: str,
+        numel: int,
+        owner: int | None = None,
     ) -> None:
         """Like :meth:`push_pull` for a worker attached through shared memory.
 
@@ -131,10 +205,17 @@ class SumShard(ShardBase):
             )
         grad = state.inputs[rank].view(key - state.lo, dtype, numel)
         with self._queued():
-            await self._push_pull(model, step, key, rank, grad, grad.nbytes, wire=False)
+            await self._push_pull(model, step, key, rank, grad, grad.nbytes, False, owner)
 
     async def push_pull(
-        self, model: int, step: int, key: int, rank: int, grad: np.ndarray, dtype: str
+        self,
+        model: int,
+        step: int,
+        key: int,
+        rank: int,
+        grad: np.ndarray,
+        dtype: str,
+        owner: int | None = None,
     ) -> np.ndarray:
         """Adds one worker's chunk and returns the sum once all workers pushed it.
 
@@ -148,6 +229,8 @@ class SumShard(ShardBase):
             rank: The pushing worker's world rank.
             grad: The chunk, already divided by the world size, in the wire format.
             dtype: The model's gradient dtype, in which the shard sums.
+            owner: The shard that owns the chunk, when this shard is the pushing
+                worker's relay for it (``None``: this one).
 
         Returns:
             The sum of all workers' chunks for this step, in the wire format.
@@ -160,7 +243,7 @@ class SumShard(ShardBase):
         self._check(model, rank, dtype)
         with self._queued():
             values = self._codec.decode_np(grad, dtype)  # sums in the model's dtype
-            out = await self._push_pull(model, step, key, rank, values, grad.nbytes, wire=True)
+            out = await self._push_pull(model, step, key, rank, values, grad.nbytes, True, owner)
         assert out is not None  # a push by wire is answered by wire
         return out
 
@@ -173,8 +256,16 @@ class SumShard(ShardBase):
         grad: np.ndarray,
         nbytes: int,
         wire: bool,
+        owner: int | None = None,
     ) -> np.ndarray | None:
-        slot = self._slot_for(model, step, key, grad)
+        owner = self.shard_index if owner is None else owner
+        slot = self._slot_for(model, step, key, grad, owner)
+        if rank not in slot.expected:
+            raise ShardProtocolError(
+                f"shard {self.shard_index}: model {model}: step {step}, chunk at byte {key}: "
+                f"{self._describe(rank)} is not one of the sources of this chunk "
+                f"(owner shard {owner}); the workers disagree on the topology."
+            )
         slot.wired = slot.wired or wire
         if rank in slot.ranks:
             self._duplicates += 1
@@ -186,19 +277,24 @@ class SumShard(ShardBase):
             slot.ranks.add(rank)
             self._pushes += 1
             self._bytes_in += nbytes
-            if len(slot.ranks) == self.num_workers:
-                self._complete(model, slot, key)
+            if len(slot.ranks) == len(slot.expected):
+                if owner == self.shard_index:
+                    self._complete(model, slot, key)
+                else:
+                    await self._relay(model, slot, key, grad.dtype.name)
         if not slot.done.is_set():
             try:
                 await asyncio.wait_for(slot.done.wait(), self.timeout_s)
             except asyncio.TimeoutError:
-                missing = sorted(set(range(self.num_workers)) - slot.ranks)
+                missing = ", ".join(self._describe(s) for s in sorted(slot.expected - slot.ranks))
                 raise ShardTimeoutError(
                     f"shard {self.shard_index}: model {model}: step {step}, chunk at byte "
-                    f"{key} waited {self.timeout_s:g}s for workers {missing}; a worker is "
-                    "stuck, dead or its model differs. Raise PSConfig.ps_timeout_s if "
-                    "steps are slow."
+                    f"{key} waited {self.timeout_s:g}s for {missing or 'the owner shard'}; "
+                    "a worker is stuck, dead or its model differs. Raise "
+                    "PSConfig.ps_timeout_s if steps are slow."
                 ) from None
+        if slot.error is not None:
+            raise slot.error
         if not wire or not self._codec.active:
             self._bytes_out += slot.acc.nbytes
             return slot.acc if wire else None  # shared memory: the worker reads it there
@@ -222,11 +318,58 @@ class SumShard(ShardBase):
             np.copyto(slot.acc, self._codec.decode_np(slot.wire, slot.acc.dtype.name))
         slot.done.set()
 
+    async def _relay(self, model: int, slot: _Slot, key: int, dtype: str) -> None:
+        """Sends this node's partial sum to the owner; leaves the answer for every
+        local waiter. A failure fails all of them with the same error."""
+        state = self._models[model]
+        if state.outputs and not slot.shared:
+            out = self._output_view(state, slot.step, key, slot.acc)
+            np.copyto(out, slot.acc)
+            slot.acc, slot.shared = out, True
+        try:
+            if self._wire_client is None or self._topology is None:
+                raise ShardProtocolError(
+                    f"shard {self.shard_index} got chunks to relay to shard {slot.owner} "
+                    "but has no direct data path to it."
+                )
+            push = asyncio.ensure_future(
+                self._wire_client.push(
+                    slot.owner,
+                    model,
+                    slot.step,
+                    key,
+                    self._topology.relay_source(self.shard_index),
+                    dtype,
+                    self._codec.encode_np(slot.acc) if self._codec.active else slot.acc,
+                )
+            )
+            # Not cancelled on timeout: a half-sent frame would corrupt the stream.
+            push.add_done_callback(lambda t: t.cancelled() or t.exception())
+            done, _ = await asyncio.wait({push}, timeout=self.timeout_s)
+            if not done:
+                raise ShardTimeoutError(
+                    f"shard {self.shard_index}: model {model}: step {slot.step}, chunk at "
+                    f"byte {key}: owner shard {slot.owner} did not answer this node's "
+                    f"partial sum within {self.timeout_s:g}s."
+                )
+            answer = push.result().view(self._codec.wire_np_dtype(dtype))
+            np.copyto(slot.acc, self._codec.decode_np(answer, dtype))
+            if self._codec.active and slot.wired:
+                slot.wire = answer
+        except Exception as e:
+            if not isinstance(e, (ShardTimeoutError, ShardProtocolError)):
+                e = ShardProtocolError(
+                    f"shard {self.shard_index}: relaying to shard {slot.owner} failed: {e}"
+                )
+            slot.error = e
+        finally:
+            slot.done.set()
+
     @staticmethod
     def _output_view(state: _Model, step: int, key: int, like: np.ndarray) -> np.ndarray:
         return state.outputs[step % 2].view(key - state.lo, like.dtype, like.size)
 
-    def _slot_for(self, model: int, step: int, key: int, grad: np.ndarray) -> _Slot:
+    def _slot_for(self, model: int, step: int, key: int, grad: np.ndarray, owner: int) -> _Slot:
         state = self._model(model)
         slot = state.slots.get((key, step % 2))
         where = f"shard {self.shard_index}: model {model}: step {step}, chunk at byte {key}"
@@ -242,9 +385,10 @@ class SumShard(ShardBase):
                 f"{where}: the push arrived after step {slot.step}; the workers are out of step."
             )
         if slot is not None and not slot.done.is_set():
+            missing = ", ".join(self._describe(s) for s in sorted(slot.expected - slot.ranks))
             raise ShardProtocolError(
-                f"{where} started while step {slot.step} still waits for workers "
-                f"{sorted(set(range(self.num_workers)) - slot.ranks)}."
+                f"{where} started while step {slot.step} still waits for "
+                f"{missing or 'the owner shard'}."
             )
         shared = bool(state.outputs)
         if shared:
@@ -253,6 +397,14 @@ class SumShard(ShardBase):
             acc = slot.acc  # reuse the buffer: no allocation in the steady state
         else:
             acc = np.empty_like(grad)
-        slot = _Slot(step=step, acc=acc, shared=shared)
+        if owner == self.shard_index:
+            expected = self._own_sources
+        elif self._relayed:
+            expected = self._relayed
+        else:
+            raise ShardProtocolError(
+                f"{where} is owned by shard {owner}, and this shard relays for no one."
+            )
+        slot = _Slot(step=step, acc=acc, expected=expected, owner=owner, shared=shared)
         state.slots[(key, step % 2)] = slot
         return slot

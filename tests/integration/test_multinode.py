@@ -1,5 +1,7 @@
 """Two simulated nodes: shards colocated with their workers, cross-node bytes
-counted, and sync PS still equal to DDP when the workers sit on different nodes."""
+counted, and sync PS still equal to DDP when the workers sit on different nodes —
+on the direct TCP path, through the object store, and with two workers per node
+summing on their node's relay first."""
 
 import pytest
 import ray
@@ -30,14 +32,18 @@ def _fit(storage, name, scaling=SPREAD, steps=20, **ps):
 def runs(ray_cluster, tmp_path_factory):
     assert len([n for n in ray.nodes() if n["Alive"]]) == 2
     storage = str(tmp_path_factory.mktemp("multinode"))
+    # Four workers, two per node.
+    four = ScalingConfig(
+        num_workers=4, resources_per_worker={"CPU": 0.5}, placement_strategy="SPREAD"
+    )
     return {
         "ddp": _fit(storage, "ddp", strategy="ddp"),
         "ps": _fit(storage, "ps", strategy="ps", chunk_bytes=4096),
-        # Four workers, two per node: one shard per node.
+        "store": _fit(storage, "store", strategy="ps", chunk_bytes=4096, data_path="object_store"),
+        "ddp4": _fit(storage, "ddp4", steps=4, scaling=four, strategy="ddp"),
+        # One shard per node; each node's shard relays its two workers' chunks.
         "per_node": _fit(
-            storage, "per_node", steps=4, server_placement="node",
-            scaling=ScalingConfig(num_workers=4, resources_per_worker={"CPU": 0.5},
-                                  placement_strategy="SPREAD"),
+            storage, "per_node", steps=4, scaling=four, server_placement="node", chunk_bytes=4096
         ),
     }
 
@@ -62,15 +68,28 @@ def test_one_shard_per_node_when_asked(runs):
     assert m["worker_node"] in m["ps_server_nodes"]
 
 
+def test_two_workers_per_node_sum_on_their_node_first(runs):
+    m = runs["per_node"].metrics
+    # Rank 0 hands every chunk to its node's shard through shared memory; the
+    # relay alone sends the node's partial sums across.
+    assert m["ps_shared_memory_shards"] == [m["ps_server_nodes"].index(m["worker_node"])]
+    assert m["ps_cross_node"] == 0 and m["ps_bytes_pushed"] > 0
+    ddp, ps = loops.load_state(runs["ddp4"]), loops.load_state(runs["per_node"])
+    assert max((ddp[k].double() - ps[k].double()).abs().max().item() for k in ddp) <= 1e-5
+
+
 def test_cross_node_bytes_are_counted(runs):
     m = runs["ps"].metrics
     # Rank 0 pushes shard 1's share to the other node and gets as much back.
     assert m["ps_cross_node"] == 2 * m["ps_per_shard"][1] > 0
 
 
-def test_sync_ps_equals_ddp_across_nodes(runs):
-    ddp, ps = loops.load_state(runs["ddp"]), loops.load_state(runs["ps"])
+@pytest.mark.parametrize("run", ["ps", "store"])
+def test_sync_ps_equals_ddp_across_nodes(runs, run):
+    """On the direct TCP path (default) and through the object store."""
+    ddp, ps = loops.load_state(runs["ddp"]), loops.load_state(runs[run])
     assert max((ddp[k].double() - ps[k].double()).abs().max().item() for k in ddp) <= 1e-5
+    assert runs[run].metrics["ps_cross_node"] > 0
 
 
 def test_no_shard_left_on_any_node(runs):

@@ -1,0 +1,406 @@
+"""The direct data path between nodes: gradient chunks on plain TCP streams.
+
+Through Ray's object store every cross-node chunk is an object that is created,
+sealed, located, pulled by the object managers and read back: several round trips
+and copies per chunk, which cost more than the bytes on a 1 Gbit/s link. Here a
+chunk is one frame on a long-lived TCP connection from the pusher (a worker, or a
+node's relay shard) to the owner shard: a fixed header, then the chunk's bytes,
+sent straight from the gradient buffer (``sock_sendall`` on a memoryview) and
+received straight into a preallocated array (``sock_recv_into``). The answer — the
+sum — comes back the same way on the same connection.
+
+Ray still starts, places and supervises every process: the shard opens its
+listening socket on its node's address when the backend asks
+(:meth:`WireServer.start`), and the addresses reach the workers with the rest of the
+run's description. Failure handling stays Ray's and the callers': a broken
+connection fails every push waiting on it (a ``ConnectionError`` naming the
+shard), and every wait is bounded by the caller (``ps_timeout_s``).
+
+Frames (little-endian)::
+
+    header  = magic(4) kind(u8) dtype(u8) model(i32) step(i64) key(i64) source(i32) nbytes(i64)
+    payload = nbytes bytes
+
+``kind`` is a push, an answer or an error (the payload is then a UTF-8 message).
+A push is matched to its answer by ``(model, step, key)``, unique per connection
+because a source pushes each chunk of a step once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import socket
+import struct
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["DTYPES", "Frame", "WireClient", "WireServer", "WireThread"]
+
+logger = logging.getLogger(__name__)
+
+_HEADER = struct.Struct("<4sBBiqqiq")
+_MAGIC = b"PSW1"
+PUSH, ANSWER, ERROR = 0, 1, 2
+
+#: Element types a frame may name (the model's dtype; the payload is in the wire
+#: format the run's compression chooses).
+DTYPES = ("float16", "float32", "float64")
+
+# Socket buffers large enough for a chunk in flight on a long fat link; the kernel
+# caps them at net.core.{r,w}mem_max.
+_SOCKET_BUFFER = 8 << 20
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One frame's header.
+
+    Attributes:
+        kind: ``PUSH``, ``ANSWER`` or ``ERROR``.
+        dtype: The model's dtype (an entry of :data:`DTYPES`).
+        model: The prepared model's id.
+        step: The synchronisation round.
+        key: The chunk's byte offset in the model's gradient stream.
+        source: Who pushes (a worker rank or a relay's source id).
+        nbytes: Payload size.
+    """
+
+    kind: int
+    dtype: str
+    model: int
+    step: int
+    key: int
+    source: int
+    nbytes: int
+
+    def pack(self) -> bytes:
+        return _HEADER.pack(
+            _MAGIC,
+            self.kind,
+            DTYPES.index(self.dtype),
+            self.model,
+            self.step,
+            self.key,
+            self.source,
+            self.nbytes,
+        )
+
+    @classmethod
+    def unpack(cls, raw: bytes | bytearray | memoryview) -> Frame:
+        magic, kind, dtype, model, step, key, source, nbytes = _HEADER.unpack(raw)
+        if magic != _MAGIC or kind not in (PUSH, ANSWER, ERROR) or dtype >= len(DTYPES):
+            raise ConnectionError("not a ray_ps_plugin frame: the stream is corrupt")
+        if nbytes < 0:
+            raise ConnectionError(f"frame with a negative size {nbytes}")
+        return cls(kind, DTYPES[dtype], model, step, key, source, nbytes)
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, opt, _SOCKET_BUFFER)
+    sock.setblocking(False)
+
+
+async def _recv_exact(sock: socket.socket, buf: memoryview) -> None:
+    loop = asyncio.get_running_loop()
+    while buf.nbytes:
+        n = await loop.sock_recv_into(sock, buf)
+        if n == 0:
+            raise ConnectionError("the peer closed the connection")
+        buf = buf[n:]
+
+
+async def _recv_frame(sock: socket.socket) -> tuple[Frame, np.ndarray]:
+    head = bytearray(_HEADER.size)
+    await _recv_exact(sock, memoryview(head))
+    frame = Frame.unpack(head)
+    payload = np.empty(frame.nbytes, np.uint8)
+    await _recv_exact(sock, payload.data)
+    return frame, payload
+
+
+async def _send_frame(sock: socket.socket, frame: Frame, payload: np.ndarray | bytes) -> None:
+    loop = asyncio.get_running_loop()
+    await loop.sock_sendall(sock, frame.pack())
+    if frame.nbytes:
+        data = payload if isinstance(payload, bytes) else payload.data.cast("B")
+        await loop.sock_sendall(sock, data)
+
+
+Handler = Callable[[Frame, np.ndarray], Awaitable[np.ndarray]]
+
+
+class WireServer:
+    """The listening side, inside a shard's event loop.
+
+    Args:
+        handler: Called with each push's header and payload; returns the answer's
+            payload, or raises (the pusher then gets the error's message).
+    """
+
+    def __init__(self, handler: Handler) -> None:
+        self._handler = handler
+        self._listener: socket.socket | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.bytes_in = 0
+        self.bytes_out = 0
+
+    async def start(self, host: str) -> tuple[str, int]:
+        """Listens on ``host`` (the node's address) on a free port; returns both."""
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, 0))
+        listener.listen(256)
+        listener.setblocking(False)
+        self._listener = listener
+        self._spawn(self._accept(listener))
+        return host, listener.getsockname()[1]
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _accept(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(listener)
+            _tune(conn)
+            self._spawn(self._serve(conn))
+
+    async def _serve(self, conn: socket.socket) -> None:
+        # Pushes are read as they come and answered as their sums complete, in any
+        # order; one lock keeps answers from interleaving on the stream.
+        lock = asyncio.Lock()
+        try:
+            while True:
+                frame, payload = await _recv_frame(conn)
+                if frame.kind != PUSH:
+                    raise ConnectionError(f"expected a push, got frame kind {frame.kind}")
+                self.bytes_in += frame.nbytes
+                self._spawn(self._answer(conn, lock, frame, payload))
+        except (ConnectionError, OSError):
+            pass  # the pusher went away; its waits end on its side
+        finally:
+            conn.close()
+
+    async def _answer(
+        self, conn: socket.socket, lock: asyncio.Lock, frame: Frame, payload: np.ndarray
+    ) -> None:
+        try:
+            out = await self._handler(frame, payload)
+            reply: np.ndarray | bytes = out
+            kind, nbytes = ANSWER, out.nbytes
+        except Exception as e:
+            reply = str(e).encode()[:65536]
+            kind, nbytes = ERROR, len(reply)
+        answer = Frame(kind, frame.dtype, frame.model, frame.step, frame.key, frame.source, nbytes)
+        with contextlib.suppress(ConnectionError, OSError):
+            async with lock:
+                await _send_frame(conn, answer, reply)
+                self.bytes_out += nbytes
+
+    def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+
+class _Connection:
+    """One pusher's connection to one shard: sends pushes, matches answers."""
+
+    def __init__(self, shard: int, address: tuple[str, int], sock: socket.socket) -> None:
+        self.shard = shard
+        self.address = address
+        self.sock = sock
+        self.lock = asyncio.Lock()
+        self.waiting: dict[tuple[int, int, int], asyncio.Future[np.ndarray]] = {}
+        self.error: BaseException | None = None
+        self.reader = asyncio.ensure_future(self._read())
+
+    def _where(self) -> str:
+        return f"shard {self.shard} at {self.address[0]}:{self.address[1]}"
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                frame, payload = await _recv_frame(self.sock)
+                fut = self.waiting.pop((frame.model, frame.step, frame.key), None)
+                if fut is None or fut.done():
+                    continue  # the pusher gave up on it
+                if frame.kind == ERROR:
+                    fut.set_exception(RemoteError(payload.tobytes().decode(errors="replace")))
+                else:
+                    fut.set_result(payload)
+        except (ConnectionError, OSError) as e:
+            self._fail(ConnectionError(f"connection to {self._where()} lost: {e}"))
+        except asyncio.CancelledError:
+            self._fail(ConnectionError(f"connection to {self._where()} closed"))
+            raise
+
+    def _fail(self, error: BaseException) -> None:
+        self.error = error
+        waiting, self.waiting = self.waiting, {}
+        for fut in waiting.values():
+            if not fut.done():
+                fut.set_exception(error)
+
+    async def push(self, frame: Frame, payload: np.ndarray) -> np.ndarray:
+        if self.error is not None:
+            raise self.error
+        fut: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
+        self.waiting[(frame.model, frame.step, frame.key)] = fut
+        try:
+            async with self.lock:
+                await _send_frame(self.sock, frame, payload)
+        except (ConnectionError, OSError) as e:
+            self._fail(ConnectionError(f"sending to {self._where()} failed: {e}"))
+        return await fut
+
+    def close(self) -> None:
+        self.reader.cancel()
+        self.sock.close()
+
+
+class RemoteError(RuntimeError):
+    """The shard refused a push; carries the shard's message."""
+
+
+class WireClient:
+    """The pushing side, on the event loop it is used from.
+
+    Args:
+        addresses: ``(host, port)`` of each shard's data path, by shard index
+            (``None`` for shards without one).
+        connect_timeout_s: Bound on opening one connection.
+    """
+
+    def __init__(
+        self, addresses: Sequence[tuple[str, int] | None], connect_timeout_s: float
+    ) -> None:
+        self._addresses = list(addresses)
+        self._timeout_s = connect_timeout_s
+        self._connections: dict[int, _Connection] = {}
+        self._connecting: dict[int, asyncio.Future[_Connection]] = {}
+        self.bytes_out = 0
+        self.bytes_in = 0
+
+    async def _connection(self, shard: int) -> _Connection:
+        conn = self._connections.get(shard)
+        if conn is not None and conn.error is None:
+            return conn
+        pending = self._connecting.get(shard)
+        if pending is None:
+            pending = asyncio.ensure_future(self._connect(shard))
+            self._connecting[shard] = pending
+        try:
+            return await asyncio.shield(pending)
+        finally:
+            if pending.done():
+                self._connecting.pop(shard, None)
+
+    async def _connect(self, shard: int) -> _Connection:
+        address = self._addresses[shard]
+        if address is None:
+            raise ConnectionError(f"shard {shard} has no direct data path")
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        _tune(sock)
+        try:
+            await asyncio.wait_for(loop.sock_connect(sock, address), self._timeout_s)
+        except (OSError, asyncio.TimeoutError) as e:
+            sock.close()
+            raise ConnectionError(
+                f"cannot reach shard {shard} at {address[0]}:{address[1]} "
+                f"within {self._timeout_s:g}s: {e or 'timed out'}"
+            ) from None
+        conn = _Connection(shard, address, sock)
+        old = self._connections.pop(shard, None)
+        if old is not None:
+            old.close()
+        self._connections[shard] = conn
+        return conn
+
+    async def push(
+        self,
+        shard: int,
+        model: int,
+        step: int,
+        key: int,
+        source: int,
+        dtype: str,
+        payload: np.ndarray,
+    ) -> np.ndarray:
+        """Sends one chunk to ``shard``; returns the answer's bytes (``uint8``).
+
+        Raises:
+            ConnectionError: The connection could not be opened or broke.
+            RemoteError: The shard refused the push.
+        """
+        conn = await self._connection(shard)
+        frame = Frame(PUSH, dtype, model, step, key, source, payload.nbytes)
+        self.bytes_out += payload.nbytes
+        answer = await conn.push(frame, payload)
+        self.bytes_in += answer.nbytes
+        return answer
+
+    def close(self) -> None:
+        connections, self._connections = self._connections, {}
+        for conn in connections.values():
+            conn.close()
+
+
+class WireThread:
+    """A :class:`WireClient` on its own event-loop thread, for worker processes.
+
+    Pushes are submitted from any thread and return ``concurrent.futures.Future``
+    objects; the caller bounds its wait on them.
+    """
+
+    def __init__(
+        self, addresses: Sequence[tuple[str, int] | None], connect_timeout_s: float
+    ) -> None:
+        self._loop = asyncio.new_event_loop()
+        self.client = WireClient(addresses, connect_timeout_s)
+        self._thread = threading.Thread(target=self._loop.run_forever, name="ps-wire", daemon=True)
+        self._thread.start()
+
+    def push(
+        self,
+        shard: int,
+        model: int,
+        step: int,
+        key: int,
+        source: int,
+        dtype: str,
+        payload: np.ndarray,
+    ) -> concurrent.futures.Future[np.ndarray]:
+        """Like :meth:`WireClient.push`, from any thread.
+
+        ``payload`` must stay unchanged until the returned future completes.
+        """
+        coro = self.client.push(shard, model, step, key, source, dtype, payload)
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Closes the connections and stops the thread (waits at most ``timeout_s``)."""
+
+        def stop() -> None:
+            self.client.close()
+            self._loop.stop()
+
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(stop)
+            self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            self._loop.close()

@@ -1,0 +1,138 @@
+"""Sync mode across nodes: the topology, the direct TCP path and node relays.
+
+Real sockets on 127.0.0.1 and real SumShard objects on one event loop: "nodes" are
+only labels here, which is all the shards and workers act on.
+"""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from ray_ps_plugin._codec import Codec
+from ray_ps_plugin._errors import ShardProtocolError
+from ray_ps_plugin._sync.shard import SumShard
+from ray_ps_plugin._sync.topology import Route, Topology
+from ray_ps_plugin._sync.wire import Frame, WireThread, PUSH
+
+TWO_BY_TWO = Topology(worker_nodes=(0, 0, 1, 1), shard_nodes=(0, 0, 1, 1))
+
+
+def test_relays_are_the_first_shard_of_nodes_with_several_workers():
+    t = TWO_BY_TWO
+    assert (t.relay_of(0), t.relay_of(1)) == (0, 2)
+    assert t.route(0, 1) == Route(1, direct=False)  # own node: straight to the owner
+    assert t.route(1, 3) == Route(0, direct=False)  # other node: through the relay
+    assert t.route(3, 0) == Route(2, direct=False)
+    # Shard 2's chunks: node 1's two workers push themselves, node 0 once.
+    assert t.sources(2) == {2, 3, 4 + 0}
+    assert t.relayed_ranks(0) == {0, 1} and t.relayed_ranks(1) == set()
+    assert t.describe(5) == "the relay of node 1"
+
+
+def test_one_worker_per_node_or_no_aggregation_pushes_directly():
+    for t in (
+        Topology(worker_nodes=(0, 1), shard_nodes=(0, 1)),
+        Topology(worker_nodes=(0, 0, 1, 1), shard_nodes=(0, 0, 1, 1), aggregate=False),
+    ):
+        assert t.relay_of(0) is None
+        assert t.route(0, t.num_workers - 1) == Route(t.num_workers - 1, direct=True)
+        assert t.sources(0) == frozenset(range(t.num_workers))
+    # A node without a shard cannot relay: its workers push directly.
+    t = Topology(worker_nodes=(0, 0, 1, 1), shard_nodes=(0,))
+    assert t.route(2, 0) == Route(0, direct=True) and t.sources(0) == {0, 1, 2, 3}
+
+
+def test_frames_round_trip_and_reject_garbage():
+    f = Frame(PUSH, "float16", 3, 7, 1 << 40, 5, 12)
+    assert Frame.unpack(f.pack()) == f
+    with pytest.raises(ConnectionError, match="not a ray_ps_plugin frame"):
+        Frame.unpack(b"XXXX" + f.pack()[4:])
+
+
+async def _cluster(compression=None, timeout_s=5.0):
+    """Two 'nodes' with two workers each, one shard per node, wired on loopback."""
+    shards = [SumShard(i, 4, timeout_s, compression) for i in range(2)]
+    addresses = tuple([await s.open_wire("127.0.0.1") for s in shards])
+    topo = Topology(worker_nodes=(0, 0, 1, 1), shard_nodes=(0, 1), addresses=addresses)
+    for s in shards:
+        await s.configure(topo)
+    return shards, topo
+
+
+@pytest.mark.parametrize("compression", [None, "bf16"])
+def test_relayed_sums_equal_the_sum_over_all_workers(compression):
+    grads = [np.arange(6, dtype=np.float32) * (r + 1) / 4 for r in range(4)]
+
+    async def main():
+        shards, topo = await _cluster(compression)
+        codec = Codec(compression)
+
+        async def push(rank, owner):
+            home = shards[topo.worker_nodes[rank]]
+            relayed = () if home.shard_index == owner else (owner,)
+            wire = codec.encode_np(grads[rank])
+            out = await home.push_pull(0, 1, 64 * owner, rank, wire, "float32", *relayed)
+            return codec.decode_np(np.asarray(out), "float32").copy()
+
+        outs = await asyncio.gather(*(push(r, o) for r in range(4) for o in range(2)))
+        stats = [s.stats() for s in shards]
+        for s in shards:
+            s._wire_server.close()
+            s._wire_client.close()
+        return outs, stats
+
+    outs, stats = asyncio.run(main())
+    want = sum(grads)
+    tol = 0 if compression is None else 0.05
+    for out in outs:
+        np.testing.assert_allclose(out, want, atol=tol)
+    # Every worker got the same values, whatever path they came by.
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out, outs[0])
+    # Each owner counted three sources: its two workers and the other node's relay.
+    assert [s["pushes"] for s in stats] == [2 + 2 + 1, 2 + 2 + 1]
+
+
+def test_a_relay_that_cannot_reach_the_owner_fails_every_local_waiter():
+    async def main():
+        shards, _ = await _cluster(timeout_s=2.0)
+        shards[1]._wire_server.close()  # node 1's shard stops listening
+        await asyncio.sleep(0.05)
+        g = np.ones(3, np.float32)
+        return await asyncio.gather(
+            *(shards[0].push_pull(0, 1, 0, r, g, "float32", 1) for r in (0, 1)),
+            return_exceptions=True,
+        )
+
+    errors = asyncio.run(main())
+    assert all(isinstance(e, ShardProtocolError) for e in errors), errors
+    assert all("relaying to shard 1 failed" in str(e) for e in errors)
+
+
+def test_a_worker_pushes_to_another_nodes_shard_on_the_direct_path():
+    """One worker per node: worker 1 reaches shard 0 from a thread, as in a worker."""
+
+    async def main():
+        shard = SumShard(0, 2, 5.0)
+        address = await shard.open_wire("127.0.0.1")
+        await shard.configure(
+            Topology(worker_nodes=(0, 1), shard_nodes=(0,), addresses=(address,))
+        )
+        wire = WireThread([address], connect_timeout_s=5.0)
+        try:
+            remote = wire.push(0, 0, 1, 0, 1, "float32", np.full(4, 2.0, np.float32))
+            local = await shard.push_pull(0, 1, 0, 0, np.full(4, 1.0, np.float32), "float32")
+            answer = await asyncio.wrap_future(remote)
+            # A source the shard does not know is refused with a reason.
+            refused = wire.push(0, 0, 1, 0, 7, "float32", np.ones(4, np.float32))
+            with pytest.raises(Exception, match="does not push to this shard directly"):
+                await asyncio.wrap_future(refused)
+        finally:
+            wire.close()
+            shard._wire_server.close()
+        return np.asarray(local).copy(), answer.view(np.float32).copy()
+
+    local, remote = asyncio.run(main())
+    np.testing.assert_array_equal(local, np.full(4, 3.0))
+    np.testing.assert_array_equal(remote, local)
