@@ -9,8 +9,14 @@ Variants (run in alternation within each round, so drifts hit them alike):
 
 - ``ddp``: stock DDP (gloo all-reduce, fp32).
 - ``ddp_bf16``: DDP with torch's ``bf16_compress_hook`` (bf16 on the wire).
-- ``ps_sync``: parameter servers, sync mode (fp32 on the wire).
+- ``ps_sync``: parameter servers, sync mode (fp32 on the wire; the direct TCP data
+  path and node-level aggregation, the defaults).
 - ``ps_sync_bf16``: the same with ``compression="bf16"``.
+- ``ps_sync_store`` / ``ps_sync_bf16_store``: the same through Ray's object store
+  (``data_path="object_store"``), the other data path measured.
+- ``ps_sync_noagg``: direct path, but every worker pushes for itself
+  (``node_aggregation=False``).
+- ``ps_sync_node``: one shard per node (``server_placement="node"``).
 - ``compute``: no synchronisation at all (the floor; not run by default).
 
 Step time is rank 0's mean over the steps after warm-up; the table shows the median
@@ -60,6 +66,14 @@ VARIANTS: dict[str, tuple[dict[str, Any], str | None, bool]] = {
     "ddp_bf16": ({"strategy": "ddp"}, "bf16", True),
     "ps_sync": ({"strategy": "ps", "mode": "sync"}, None, True),
     "ps_sync_bf16": ({"strategy": "ps", "mode": "sync", "compression": "bf16"}, None, True),
+    "ps_sync_store": ({"strategy": "ps", "data_path": "object_store"}, None, True),
+    "ps_sync_bf16_store": (
+        {"strategy": "ps", "data_path": "object_store", "compression": "bf16"},
+        None,
+        True,
+    ),
+    "ps_sync_noagg": ({"strategy": "ps", "node_aggregation": False}, None, True),
+    "ps_sync_node": ({"strategy": "ps", "server_placement": "node"}, None, True),
     "compute": ({"strategy": "ddp"}, None, False),
 }
 DEFAULT_VARIANTS = "ddp,ddp_bf16,ps_sync,ps_sync_bf16"
@@ -232,8 +246,12 @@ def main() -> None:
     def med(name: str) -> float:
         return statistics.median(x[name]["mean_step_s"] for x in rounds)
 
-    def ratio(name: str) -> float:
-        return statistics.median(x[name]["mean_step_s"] / x["ddp"]["mean_step_s"] for x in rounds)
+    def ratio(name: str, base: str = "ddp") -> float:
+        return statistics.median(x[name]["mean_step_s"] / x[base]["mean_step_s"] for x in rounds)
+
+    def counterpart(name: str) -> str:
+        """What a PS variant is held against: DDP, or DDP with its bf16 hook."""
+        return "ddp_bf16" if "bf16" in name and "ddp_bf16" in names else "ddp"
 
     def link_mb(name: str) -> float | None:
         vals = [x[name]["workers"][0]["link_bytes_per_step"] for x in rounds]
@@ -255,6 +273,8 @@ def main() -> None:
         "args": vars(args),
         "mean_step_ms": {k: med(k) * 1e3 for k in names},
         "ratio_to_ddp": {k: ratio(k) for k in names},
+        "counterpart": {k: counterpart(k) for k in names},
+        "ratio_to_counterpart": {k: ratio(k, counterpart(k)) for k in names},
         "rank0_link_mb_per_step": {k: link_mb(k) for k in names},
         "placement_last_round": placement,
         "rounds": rounds,
@@ -270,12 +290,16 @@ def main() -> None:
         f"\n{args.nodes} node(s) x {args.workers_per_node} worker(s), link {args.rate}, "
         f"{args.rounds} round(s) x {args.steps} steps"
     )
-    print("| variant | mean step (ms) | ratio to DDP | rank 0's link, MB/step (tx+rx) |")
-    print("|---|---|---|---|")
+    print(
+        "| variant | mean step (ms) | ratio to DDP | ratio to counterpart "
+        "| rank 0's link, MB/step (tx+rx) |"
+    )
+    print("|---|---|---|---|---|")
     for k in names:
         mb = link_mb(k)
         print(
             f"| {k} | {med(k) * 1e3:.1f} | {ratio(k):.2f}x | "
+            f"{ratio(k, counterpart(k)):.2f}x ({counterpart(k)}) | "
             f"{'n/a' if mb is None else f'{mb:.1f}'} |"
         )
     print(f"wrote {out}")

@@ -42,6 +42,10 @@ def test_ddp_strategy_is_stock_torch_config():
         (dict(ps_timeout_s=math.inf), ValueError, "ps_timeout_s"),
         (dict(ps_timeout_s="10"), TypeError, "ps_timeout_s"),
         (dict(ps_start_timeout_s=-1), ValueError, "ps_start_timeout_s"),
+        (dict(data_path="rdma"), ValueError, "data_path"),
+        (dict(data_path=None), TypeError, "data_path"),
+        (dict(node_aggregation="yes"), TypeError, "node_aggregation"),
+        (dict(shared_memory=1), TypeError, "shared_memory"),
     ],
 )
 def test_bad_fields_name_the_field(kwargs, exc, field):

@@ -136,3 +136,25 @@ def test_a_worker_pushes_to_another_nodes_shard_on_the_direct_path():
     local, remote = asyncio.run(main())
     np.testing.assert_array_equal(local, np.full(4, 3.0))
     np.testing.assert_array_equal(remote, local)
+
+
+def test_waits_on_direct_path_pushes_are_bounded_and_raise_their_error():
+    import concurrent.futures
+
+    from ray_ps_plugin._errors import PSError, PSTimeoutError
+    from ray_ps_plugin._transport import RayTransport, wait_all
+
+    class Silent(RayTransport):
+        def silent(self, shards, timeout_s):
+            return [s for s in shards if s == 0]  # shard 0 stopped answering pings
+
+    t = Silent([], timeout_s=1.0)
+    ok, hung, broken = (concurrent.futures.Future() for _ in range(3))
+    ok.set_result(np.ones(2))
+    broken.set_exception(ConnectionError("connection to shard 1 at 10.0.0.2:5 lost"))
+    assert t.done([ok]) and not t.done([ok, hung])
+    assert t.wait([ok], 0.1)[0].sum() == 2
+    with pytest.raises(PSTimeoutError, match=r"step 3: server shard\(s\) \[0\] did not answer"):
+        wait_all(t, [ok, hung], [1, 0], 0.05, "rank 1: step 3")
+    with pytest.raises(PSError, match=r"server shard\(s\) \[1\] failed: connection to shard 1"):
+        wait_all(t, [broken, ok], [1, 0], 0.05, "rank 1: step 3")
