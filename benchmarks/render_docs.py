@@ -434,37 +434,123 @@ NET_LABELS = {
     "ddp_bf16": "DDP + torch `bf16_compress_hook`",
     "ps_sync": "PS sync",
     "ps_sync_bf16": 'PS sync, `compression="bf16"`',
+    "ps_sync_store": 'PS sync, `data_path="object_store"`',
+    "ps_sync_bf16_store": 'PS sync, bf16, `data_path="object_store"`',
+    "ps_sync_noagg": "PS sync, `node_aggregation=False`",
+    "ps_sync_node": 'PS sync, `server_placement="node"`',
+    "compute": "compute only (no synchronisation)",
 }
+NET_BASES = {"ddp": "DDP", "ddp_bf16": "DDP + bf16 hook"}
 
 
-def net_table() -> str:
-    d = _json("net_step_time")
-    rows = [
-        [
-            NET_LABELS.get(v, f"`{v}`"),
-            f"{ms:.0f}",
-            _x(d["ratio_to_ddp"][v]),
-            f"{d['rank0_link_mb_per_step'][v]:.1f}",
-        ]
-        for v, ms in d["mean_step_ms"].items()
-    ]
+def net_table(result: str = "net_step_time") -> str:
+    """The step-time table of one ``net_step_time.py`` run (``results/<result>.json``)."""
+    d = _json(result)
+    rows = []
+    for v, ms in d["mean_step_ms"].items():
+        mb = d["rank0_link_mb_per_step"][v]
+        base = d.get("counterpart", {}).get(v, "ddp")
+        against = d.get("ratio_to_counterpart", d["ratio_to_ddp"])[v]
+        rows.append(
+            [
+                NET_LABELS.get(v, f"`{v}`"),
+                f"{ms:.0f}",
+                _x(d["ratio_to_ddp"][v]),
+                f"{_x(against)} ({NET_BASES[base]})",
+                "n/a" if mb is None else f"{mb:.1f}",
+            ]
+        )
     header = [
         "variant",
         "mean step (ms)",
         "ratio to DDP",
+        "ratio to its DDP counterpart",
         "rank 0's link, MB/step (sent + received)",
     ]
     shape = f"{d['nodes']} nodes × {d['workers_per_node']} worker(s), links shaped to {d['rate']}. "
     return (
         shape
-        + _provenance("net_step_time", "net_step_time", "net_step_time.json")
+        + _provenance(result, "net_step_time", f"{result}.json")
         + ("\n\n" + _table(header, rows))
     )
 
 
-def net_ratio(variant: str) -> str:
-    """A variant's step time over DDP's across the shaped link, e.g. ``1.30×``."""
-    return _x(_json("net_step_time")["ratio_to_ddp"][variant])
+def _net_bytes_model(variant: str, nodes: int, k: int, model_bytes: float) -> float | None:
+    """Bytes a node's link carries per step (sent + received) on paper.
+
+    Ring all-reduce over ``W = nodes * k`` workers ordered by node: each node's link
+    carries one ring edge each way, ``2 (W - 1) / W`` model sizes per direction. A PS
+    whose shards split the stream evenly over the nodes: without node aggregation each
+    of a node's ``k`` workers sends the other nodes' ranges and receives their sums,
+    and the node's shards do the same for every remote worker, ``2 k (N - 1) / N`` per
+    direction; with a relay per node the ``k`` becomes 1. bf16 halves everything.
+    """
+    w = nodes * k
+    half = 0.5 if "bf16" in variant else 1.0
+    if variant.startswith("ddp"):
+        per_direction = 2 * (w - 1) / w
+    elif variant.startswith("ps_sync"):
+        relays = k > 1 and not variant.endswith(("_noagg", "_store"))
+        per_direction = 2 * (1 if relays else k) * (nodes - 1) / nodes
+    else:
+        return None
+    return 2 * per_direction * model_bytes * half
+
+
+def _rate_bytes_per_s(rate: str) -> float:
+    """A tc rate such as ``1gbit`` or ``10gbit``, in bytes per second."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", rate.lower())
+    if not m:
+        raise RenderError(f"cannot read the link rate {rate!r}")
+    return float(m[1]) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m[2]] / 8
+
+
+def net_model_table(*results: str) -> str:
+    """Measured link bytes and communication time of every network run against the
+    cost model's."""
+    rows = []
+    for result in results:
+        d = _json(result)
+        nodes, k = d["nodes"], d["workers_per_node"]
+        model_bytes = 4 * d["rounds"][0]["ddp"]["params"]
+        compute = d["mean_step_ms"].get("compute")
+        for v, mb in d["rank0_link_mb_per_step"].items():
+            paper = _net_bytes_model(v, nodes, k, model_bytes)
+            if paper is None or mb is None:
+                continue
+            wire_ms = paper / 2 / _rate_bytes_per_s(d["rate"]) * 1e3
+            comm = "n/a" if compute is None else f"{d['mean_step_ms'][v] - compute:.0f}"
+            rows.append(
+                [
+                    f"{nodes} × {k}, {d['rate']}",
+                    NET_LABELS.get(v, f"`{v}`"),
+                    f"{paper / 1e6:.1f}",
+                    f"{mb:.1f}",
+                    f"{mb * 1e6 / paper:.2f}",
+                    f"{wire_ms:.0f}",
+                    comm,
+                ]
+            )
+    header = [
+        "nodes × workers, link",
+        "variant",
+        "link bytes, model (MB)",
+        "measured (MB)",
+        "measured / model",
+        "one direction at line rate (ms)",
+        "measured step − compute-only step (ms)",
+    ]
+    return _table(header, rows)
+
+
+def net_ratio(variant: str, result: str = "net_step_time", base: str = "ddp") -> str:
+    """A variant's step time over a DDP variant's across the shaped link, e.g. ``0.93×``."""
+    d = _json(result)
+    if base == "ddp":
+        return _x(d["ratio_to_ddp"][variant])
+    if d["counterpart"][variant] != base:
+        raise RenderError(f"{result}: {variant} is not held against {base}")
+    return _x(d["ratio_to_counterpart"][variant])
 
 
 # --- the markers -----------------------------------------------------------------------
@@ -495,6 +581,7 @@ RENDERERS: dict[str, Callable[..., str]] = {
         resnet_ratio,
         net_table,
         net_ratio,
+        net_model_table,
     )
 }
 

@@ -38,7 +38,7 @@ from ray_ps_plugin._errors import PSError
 from ray_ps_plugin._nonfinite import all_finite
 from ray_ps_plugin._sync.layout import Piece, StreamLayout
 from ray_ps_plugin._sync.topology import Route, Topology
-from ray_ps_plugin._sync.wire import WireThread
+from ray_ps_plugin._sync.wire import WireStreams
 from ray_ps_plugin._transport import Lane, Transport, open_lanes, wait_all
 
 if TYPE_CHECKING:
@@ -107,7 +107,7 @@ class SumClient(ClientBase):
         transport: Transport,
         lanes: dict[int, Lane],
         routes: list[Route] | None = None,
-        wire: WireThread | None = None,
+        wire: WireStreams | None = None,
     ) -> None:
         super().__init__(setup, layout.num_shards, check_local=False)
         self._transport = transport
@@ -158,7 +158,9 @@ class SumClient(ClientBase):
             # the object store): the owners count this node's partial sum, not ranks.
             routes = [topology.route(setup.rank, s) for s in range(layout.num_shards)]
             if topology.addresses and any(r.direct for r in routes):
-                wire = WireThread(topology.addresses, setup.settings.ps_start_timeout_s)
+                wire = WireStreams(
+                    topology.addresses, topology.token, setup.settings.ps_start_timeout_s
+                )
         return cls(setup, layout, transport, lanes, routes, wire)
 
     def bind(self, ddp: "DistributedDataParallel") -> None:

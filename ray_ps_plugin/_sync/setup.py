@@ -6,10 +6,12 @@ to every worker with the rest of the run's description.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
 from ray_ps_plugin._sync.topology import Topology
+from ray_ps_plugin._sync.wire import TOKEN_BYTES
 from ray_ps_plugin._types import RunSettings
 
 __all__ = ["connect_shards"]
@@ -43,9 +45,11 @@ def connect_shards(
     workers, shards = _index(worker_nodes, order), _index(shard_nodes, order)
     timeout = settings.ps_start_timeout_s
     addresses: tuple[tuple[str, int] | None, ...] = ()
+    token = b""
     try:
         if settings.data_path == "tcp" and len(order) > 1:
-            opened = ray.get([s.open_wire.remote() for s in servers], timeout=timeout)
+            token = secrets.token_bytes(TOKEN_BYTES)
+            opened = ray.get([s.open_wire.remote(token) for s in servers], timeout=timeout)
             addresses = tuple((str(host), int(port)) for host, port in opened)
         topology = Topology(
             worker_nodes=workers,
@@ -54,6 +58,7 @@ def connect_shards(
             # extra hop through the object store would cost more than it saves.
             aggregate=settings.node_aggregation and bool(addresses),
             addresses=addresses,
+            token=token,
         )
         ray.get([s.configure.remote(topology) for s in servers], timeout=timeout)
     except ray.exceptions.GetTimeoutError as e:

@@ -89,10 +89,11 @@ class SumShard(ShardBase):
         self._wire_server: WireServer | None = None
         self._wire_client: WireClient | None = None
 
-    async def open_wire(self, host: str | None = None) -> tuple[str, int]:
+    async def open_wire(self, token: bytes, host: str | None = None) -> tuple[str, int]:
         """Starts listening for pushes on the direct data path; returns its address.
 
         Args:
+            token: The run's secret every connection must start with.
             host: Address to listen on; by default the node's address in Ray.
         """
         if self._wire_server is None:
@@ -100,7 +101,7 @@ class SumShard(ShardBase):
                 import ray
 
                 host = ray.util.get_node_ip_address()
-            self._wire_server = WireServer(self._on_frame)
+            self._wire_server = WireServer(self._on_frame, token)
             self._address = await self._wire_server.start(host)
         return self._address
 
@@ -116,7 +117,7 @@ class SumShard(ShardBase):
         self._own_sources = topology.sources(self.shard_index)
         self._relayed = topology.relayed_ranks(self.shard_index)
         if self._relayed and topology.addresses:
-            self._wire_client = WireClient(topology.addresses, self.timeout_s)
+            self._wire_client = WireClient(topology.addresses, topology.token, self.timeout_s)
 
     def _describe(self, source: int) -> str:
         if self._topology is None:

@@ -50,12 +50,14 @@ class Topology:
         addresses: ``(host, port)`` of each shard's direct data path, or ``None``
             per shard where it has none (then cross-node chunks travel through the
             object store).
+        token: The run's secret for the direct data path (empty without one).
     """
 
     worker_nodes: tuple[int, ...]
     shard_nodes: tuple[int, ...]
     aggregate: bool = True
     addresses: tuple[tuple[str, int] | None, ...] = ()
+    token: bytes = field(default=b"", repr=False)
     _relays: dict[int, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

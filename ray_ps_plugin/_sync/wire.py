@@ -5,9 +5,11 @@ sealed, located, pulled by the object managers and read back: several round trip
 and copies per chunk, which cost more than the bytes on a 1 Gbit/s link. Here a
 chunk is one frame on a long-lived TCP connection from the pusher (a worker, or a
 node's relay shard) to the owner shard: a fixed header, then the chunk's bytes,
-sent straight from the gradient buffer (``sock_sendall`` on a memoryview) and
-received straight into a preallocated array (``sock_recv_into``). The answer — the
-sum — comes back the same way on the same connection.
+sent straight from the gradient buffer (``sendall`` on a memoryview) and received
+straight into a fresh array (``recv_into``). The answer — the sum — comes back the
+same way on the same connection. Shards run both ends in their event loop
+(:class:`WireServer`, :class:`WireClient`); workers use blocking sockets on threads
+of their own (:class:`WireStreams`), which hold no GIL while bytes move.
 
 Ray still starts, places and supervises every process: the shard opens its
 listening socket on its node's address when the backend asks
@@ -24,6 +26,11 @@ Frames (little-endian)::
 ``kind`` is a push, an answer or an error (the payload is then a UTF-8 message).
 A push is matched to its answer by ``(model, step, key)``, unique per connection
 because a source pushes each chunk of a step once.
+
+A connection opens with the run's secret token (:data:`TOKEN_BYTES` random bytes the
+backend draws and hands to shards and workers through Ray, which authenticates its
+own traffic). A shard closes a connection that does not present it, so the port
+accepts pushes only from processes of the run.
 """
 
 from __future__ import annotations
@@ -31,7 +38,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import hmac
 import logging
+import queue
 import socket
 import struct
 import threading
@@ -40,7 +49,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["DTYPES", "Frame", "WireClient", "WireServer", "WireThread"]
+__all__ = ["DTYPES", "Frame", "RemoteError", "WireClient", "WireServer", "WireStreams"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +60,9 @@ PUSH, ANSWER, ERROR = 0, 1, 2
 #: Element types a frame may name (the model's dtype; the payload is in the wire
 #: format the run's compression chooses).
 DTYPES = ("float16", "float32", "float64")
+
+#: Length of the per-run token a connection starts with.
+TOKEN_BYTES = 32
 
 # Socket buffers large enough for a chunk in flight on a long fat link; the kernel
 # caps them at net.core.{r,w}mem_max.
@@ -144,10 +156,14 @@ class WireServer:
     Args:
         handler: Called with each push's header and payload; returns the answer's
             payload, or raises (the pusher then gets the error's message).
+        token: The run's secret; a connection that does not start with it is closed.
     """
 
-    def __init__(self, handler: Handler) -> None:
+    def __init__(self, handler: Handler, token: bytes) -> None:
+        if len(token) != TOKEN_BYTES:
+            raise ValueError(f"the token must be {TOKEN_BYTES} bytes")
         self._handler = handler
+        self._token = token
         self._listener: socket.socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.bytes_in = 0
@@ -181,13 +197,18 @@ class WireServer:
         # order; one lock keeps answers from interleaving on the stream.
         lock = asyncio.Lock()
         try:
+            presented = bytearray(TOKEN_BYTES)
+            await asyncio.wait_for(_recv_exact(conn, memoryview(presented)), 30.0)
+            if not hmac.compare_digest(bytes(presented), self._token):
+                logger.warning("closed a data-path connection without the run's token")
+                return
             while True:
                 frame, payload = await _recv_frame(conn)
                 if frame.kind != PUSH:
                     raise ConnectionError(f"expected a push, got frame kind {frame.kind}")
                 self.bytes_in += frame.nbytes
                 self._spawn(self._answer(conn, lock, frame, payload))
-        except (ConnectionError, OSError):
+        except (ConnectionError, OSError, asyncio.TimeoutError):
             pass  # the pusher went away; its waits end on its side
         finally:
             conn.close()
@@ -282,13 +303,18 @@ class WireClient:
     Args:
         addresses: ``(host, port)`` of each shard's data path, by shard index
             (``None`` for shards without one).
+        token: The run's secret, sent first on every connection.
         connect_timeout_s: Bound on opening one connection.
     """
 
     def __init__(
-        self, addresses: Sequence[tuple[str, int] | None], connect_timeout_s: float
+        self,
+        addresses: Sequence[tuple[str, int] | None],
+        token: bytes,
+        connect_timeout_s: float,
     ) -> None:
         self._addresses = list(addresses)
+        self._token = token
         self._timeout_s = connect_timeout_s
         self._connections: dict[int, _Connection] = {}
         self._connecting: dict[int, asyncio.Future[_Connection]] = {}
@@ -318,6 +344,7 @@ class WireClient:
         _tune(sock)
         try:
             await asyncio.wait_for(loop.sock_connect(sock, address), self._timeout_s)
+            await loop.sock_sendall(sock, self._token)
         except (OSError, asyncio.TimeoutError) as e:
             sock.close()
             raise ConnectionError(
@@ -360,20 +387,143 @@ class WireClient:
             conn.close()
 
 
-class WireThread:
-    """A :class:`WireClient` on its own event-loop thread, for worker processes.
+def _recv_exact_blocking(sock: socket.socket, buf: memoryview) -> None:
+    while buf.nbytes:
+        n = sock.recv_into(buf)
+        if n == 0:
+            raise ConnectionError("the peer closed the connection")
+        buf = buf[n:]
 
-    Pushes are submitted from any thread and return ``concurrent.futures.Future``
-    objects; the caller bounds its wait on them.
+
+class _Stream:
+    """A worker's connection to one shard, driven by two threads of its own.
+
+    Blocking ``sendall``/``recv_into`` release the GIL for the whole transfer, so a
+    chunk in flight costs the training thread nothing; an event loop would wake up
+    (and take the GIL) for every socket-buffer's worth of bytes. A sender thread
+    takes pushes from a queue, so the caller — DDP's hook on the autograd thread —
+    never blocks on the network; a receiver thread matches answers to pushes.
     """
 
     def __init__(
-        self, addresses: Sequence[tuple[str, int] | None], connect_timeout_s: float
+        self, shard: int, address: tuple[str, int], token: bytes, connect_timeout_s: float
     ) -> None:
-        self._loop = asyncio.new_event_loop()
-        self.client = WireClient(addresses, connect_timeout_s)
-        self._thread = threading.Thread(target=self._loop.run_forever, name="ps-wire", daemon=True)
-        self._thread.start()
+        self.shard = shard
+        self.address = address
+        self._token = token
+        self._connect_timeout_s = connect_timeout_s
+        self._queue: queue.SimpleQueue[tuple[Frame, np.ndarray] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._waiting: dict[tuple[int, int, int], concurrent.futures.Future[np.ndarray]] = {}
+        self._error: BaseException | None = None
+        self._sock: socket.socket | None = None
+        self._sender = threading.Thread(
+            target=self._send_loop, name=f"ps-wire-send-{shard}", daemon=True
+        )
+        self._sender.start()
+
+    def _where(self) -> str:
+        return f"shard {self.shard} at {self.address[0]}:{self.address[1]}"
+
+    def push(self, frame: Frame, payload: np.ndarray) -> concurrent.futures.Future[np.ndarray]:
+        fut: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
+        with self._lock:
+            if self._error is not None:
+                fut.set_exception(self._error)
+                return fut
+            self._waiting[(frame.model, frame.step, frame.key)] = fut
+        self._queue.put((frame, payload))
+        return fut
+
+    def _fail(self, error: BaseException) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error = error
+            waiting, self._waiting = self._waiting, {}
+        for fut in waiting.values():
+            if not fut.done():
+                fut.set_exception(self._error)
+
+    def _send_loop(self) -> None:
+        try:
+            sock = socket.create_connection(self.address, timeout=self._connect_timeout_s)
+            sock.sendall(self._token)
+        except OSError as e:
+            self._fail(
+                ConnectionError(
+                    f"cannot reach {self._where()} within {self._connect_timeout_s:g}s: {e}"
+                )
+            )
+            return
+        sock.settimeout(None)
+        _tune(sock)
+        sock.setblocking(True)
+        self._sock = sock
+        threading.Thread(
+            target=self._recv_loop, args=(sock,), name=f"ps-wire-recv-{self.shard}", daemon=True
+        ).start()
+        try:
+            while (item := self._queue.get()) is not None:
+                frame, payload = item
+                sock.sendall(frame.pack())
+                if frame.nbytes:
+                    sock.sendall(payload.data.cast("B"))
+        except OSError as e:
+            self._fail(ConnectionError(f"sending to {self._where()} failed: {e}"))
+
+    def _recv_loop(self, sock: socket.socket) -> None:
+        head = bytearray(_HEADER.size)
+        try:
+            while True:
+                _recv_exact_blocking(sock, memoryview(head))
+                frame = Frame.unpack(head)
+                payload = np.empty(frame.nbytes, np.uint8)
+                _recv_exact_blocking(sock, payload.data)
+                with self._lock:
+                    fut = self._waiting.pop((frame.model, frame.step, frame.key), None)
+                if fut is None or fut.done():
+                    continue
+                if frame.kind == ERROR:
+                    fut.set_exception(RemoteError(payload.tobytes().decode(errors="replace")))
+                else:
+                    fut.set_result(payload)
+        except (ConnectionError, OSError) as e:
+            self._fail(ConnectionError(f"connection to {self._where()} lost: {e}"))
+
+    def close(self, timeout_s: float) -> None:
+        self._queue.put(None)
+        self._sender.join(timeout_s)
+        sock = self._sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+        self._fail(ConnectionError(f"connection to {self._where()} closed"))
+
+
+class WireStreams:
+    """A worker's pushes on the direct path, from any thread.
+
+    One connection per shard pushed to, opened on first use, each with a sender and
+    a receiver thread (see :class:`_Stream`). Pushes return
+    ``concurrent.futures.Future`` objects; the caller bounds its wait on them.
+
+    Args:
+        addresses: ``(host, port)`` of each shard's data path, by shard index.
+        token: The run's secret, sent first on every connection.
+        connect_timeout_s: Bound on opening one connection.
+    """
+
+    def __init__(
+        self,
+        addresses: Sequence[tuple[str, int] | None],
+        token: bytes,
+        connect_timeout_s: float,
+    ) -> None:
+        self._addresses = list(addresses)
+        self._token = token
+        self._timeout_s = connect_timeout_s
+        self._streams: dict[int, _Stream] = {}
 
     def push(
         self,
@@ -385,22 +535,24 @@ class WireThread:
         dtype: str,
         payload: np.ndarray,
     ) -> concurrent.futures.Future[np.ndarray]:
-        """Like :meth:`WireClient.push`, from any thread.
+        """Sends one chunk to ``shard``; the future holds the answer's bytes (``uint8``).
 
-        ``payload`` must stay unchanged until the returned future completes.
+        ``payload`` must stay unchanged until the future completes. The future fails
+        with ``ConnectionError`` if the connection cannot be opened or breaks, and
+        with :class:`RemoteError` if the shard refuses the push.
         """
-        coro = self.client.push(shard, model, step, key, source, dtype, payload)
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        stream = self._streams.get(shard)
+        if stream is None:
+            address = self._addresses[shard]
+            if address is None:
+                fut: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
+                fut.set_exception(ConnectionError(f"shard {shard} has no direct data path"))
+                return fut
+            stream = self._streams[shard] = _Stream(shard, address, self._token, self._timeout_s)
+        return stream.push(Frame(PUSH, dtype, model, step, key, source, payload.nbytes), payload)
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Closes the connections and stops the thread (waits at most ``timeout_s``)."""
-
-        def stop() -> None:
-            self.client.close()
-            self._loop.stop()
-
-        if self._thread.is_alive():
-            self._loop.call_soon_threadsafe(stop)
-            self._thread.join(timeout_s)
-        if not self._thread.is_alive():
-            self._loop.close()
+        """Closes every connection (waits at most ``timeout_s`` per sender)."""
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.close(timeout_s)

@@ -13,8 +13,9 @@ from ray_ps_plugin._codec import Codec
 from ray_ps_plugin._errors import ShardProtocolError
 from ray_ps_plugin._sync.shard import SumShard
 from ray_ps_plugin._sync.topology import Route, Topology
-from ray_ps_plugin._sync.wire import Frame, WireThread, PUSH
+from ray_ps_plugin._sync.wire import Frame, WireStreams, PUSH
 
+TOKEN = bytes(range(32))
 TWO_BY_TWO = Topology(worker_nodes=(0, 0, 1, 1), shard_nodes=(0, 0, 1, 1))
 
 
@@ -53,8 +54,10 @@ def test_frames_round_trip_and_reject_garbage():
 async def _cluster(compression=None, timeout_s=5.0):
     """Two 'nodes' with two workers each, one shard per node, wired on loopback."""
     shards = [SumShard(i, 4, timeout_s, compression) for i in range(2)]
-    addresses = tuple([await s.open_wire("127.0.0.1") for s in shards])
-    topo = Topology(worker_nodes=(0, 0, 1, 1), shard_nodes=(0, 1), addresses=addresses)
+    addresses = tuple([await s.open_wire(TOKEN, "127.0.0.1") for s in shards])
+    topo = Topology(
+        worker_nodes=(0, 0, 1, 1), shard_nodes=(0, 1), addresses=addresses, token=TOKEN
+    )
     for s in shards:
         await s.configure(topo)
     return shards, topo
@@ -115,11 +118,12 @@ def test_a_worker_pushes_to_another_nodes_shard_on_the_direct_path():
 
     async def main():
         shard = SumShard(0, 2, 5.0)
-        address = await shard.open_wire("127.0.0.1")
+        address = await shard.open_wire(TOKEN, "127.0.0.1")
         await shard.configure(
-            Topology(worker_nodes=(0, 1), shard_nodes=(0,), addresses=(address,))
+            Topology(worker_nodes=(0, 1), shard_nodes=(0,), addresses=(address,), token=TOKEN)
         )
-        wire = WireThread([address], connect_timeout_s=5.0)
+        wire = WireStreams([address], TOKEN, connect_timeout_s=5.0)
+        stranger = WireStreams([address], bytes(32), connect_timeout_s=5.0)
         try:
             remote = wire.push(0, 0, 1, 0, 1, "float32", np.full(4, 2.0, np.float32))
             local = await shard.push_pull(0, 1, 0, 0, np.full(4, 1.0, np.float32), "float32")
@@ -128,7 +132,13 @@ def test_a_worker_pushes_to_another_nodes_shard_on_the_direct_path():
             refused = wire.push(0, 0, 1, 0, 7, "float32", np.ones(4, np.float32))
             with pytest.raises(Exception, match="does not push to this shard directly"):
                 await asyncio.wrap_future(refused)
+            # A connection without the run's token is closed before any push counts.
+            intruder = stranger.push(0, 0, 2, 0, 1, "float32", np.ones(4, np.float32))
+            with pytest.raises(ConnectionError, match="shard 0 at 127.0.0.1"):
+                await asyncio.wait_for(asyncio.wrap_future(intruder), 5)
+            assert shard.stats()["pushes"] == 2
         finally:
+            stranger.close()
             wire.close()
             shard._wire_server.close()
         return np.asarray(local).copy(), answer.view(np.float32).copy()
