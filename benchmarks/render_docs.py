@@ -505,6 +505,34 @@ def _rate_bytes_per_s(rate: str) -> float:
     return float(m[1]) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m[2]] / 8
 
 
+def net_cost_table() -> str:
+    """The cost model on paper: model sizes per direction on a worker node's link."""
+    rows = []
+    for nodes, k in ((2, 1), (2, 2), (2, 8), (8, 1), (8, 8), (64, 8)):
+        w = nodes * k
+        ring = 2 * (w - 1) / w
+        plain = 2 * k * (nodes - 1) / nodes
+        relays = 2 * (nodes - 1) / nodes if k > 1 else plain
+        servers = 1.0  # push M to the server nodes, pull M back; S >= N of them
+        rows.append(
+            [
+                f"{nodes} × {k}",
+                f"{ring:.2f}",
+                f"{plain:.2f} ({_x(plain / ring)})",
+                f"{relays:.2f} ({_x(relays / ring)})",
+                f"{servers:.2f} ({_x(servers / ring)})",
+            ]
+        )
+    header = [
+        "N nodes × k workers",
+        "ring all-reduce",
+        "PS, every worker pushes",
+        "PS with node relays",
+        "PS on ≥ N extra server nodes",
+    ]
+    return _table(header, rows)
+
+
 def net_model_table(*results: str) -> str:
     """Measured link bytes and communication time of every network run against the
     cost model's."""
@@ -582,6 +610,7 @@ RENDERERS: dict[str, Callable[..., str]] = {
         net_table,
         net_ratio,
         net_model_table,
+        net_cost_table,
     )
 }
 
