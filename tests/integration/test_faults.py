@@ -75,7 +75,7 @@ def test_killed_shard_recovers_through_restart_exactly(reference, tmp_path):
     _no_leaks()
 
 
-KILLED_TIMEOUT_S = 20.0
+KILLED_TIMEOUT_S = 30.0
 
 
 @pytest.mark.parametrize("mode", ["sync", "ssp", "async"])
@@ -84,10 +84,11 @@ def test_killed_shard_without_retries_fails_fast_naming_the_shard(tmp_path, mode
         _fit(tmp_path, f"shard_dies_hard_{mode}", kill_shard=1, kill_step=7,
              ps={"ps_timeout_s": KILLED_TIMEOUT_S, "mode": mode})
     assert any(isinstance(e, PSError) for e in loops.worker_errors(info.value))
-    # A dead actor fails its call at once, well within ps_timeout_s; the rest of the
-    # bound is Ray Train's shutdown on a loaded 2-core machine.
+    # A dead actor fails its calls at once: fit() has raised (shutdown included)
+    # before ps_timeout_s could have run out, so the death was seen, not timed out
+    # (measured: under a second after the kill).
     killed = float((tmp_path / f"markers-shard_dies_hard_{mode}" / "kill").read_text())
-    assert time.time() - killed < KILLED_TIMEOUT_S + 30
+    assert time.time() - killed < KILLED_TIMEOUT_S
     _no_leaks()
 
 
