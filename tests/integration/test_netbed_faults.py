@@ -5,7 +5,7 @@ worker per node, a checkpoint every 5 steps) in the bed's head namespace and bre
 node 1's link while it runs: 1% packet loss each way, or the link unplugged for
 longer than ``ps_timeout_s``. Every run must end with DDP's parameters for the same
 loop, computed in this process, or fail with a clear error in bounded time. Needs
-root, ``ip`` and ``tc``, and for the loss test netem or ``nft``. About 6 minutes on a
+root, ``ip`` and ``tc``, and for the loss test netem or ``nft``. About 4 minutes on a
 loaded 2-core machine: every run starts Ray Train worker processes, and each
 unplugged-link run waits out the bounds it tests.
 """
