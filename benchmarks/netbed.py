@@ -3,7 +3,8 @@
 Every node is a network namespace holding one Ray node (head or worker). The nodes
 hang off a bridge that lives in a namespace of its own (the "switch"); each node's
 link is a veth pair, shaped in both directions (a token bucket, with netem delay/loss
-under it when asked for and the kernel has netem), so whatever leaves or enters a node
+under it when asked for and the kernel has netem; without netem, loss is an nftables
+egress drop rule on each end), so whatever leaves or enters a node
 crosses a link of the given rate. Nothing is configured in the host's namespace: the
 bed's addresses (198.18.0.0/24, from the range reserved for network benchmarks) exist
 only inside its own namespaces, and no route leads out of them.
@@ -23,7 +24,8 @@ Library::
     with NetBed(nodes=2, shape=LinkShape(rate="1gbit")) as bed:
         bed.run(["python", "driver.py"], timeout=120)
         bed.set_link(1, rate="100mbit")   # reshape node 1's link while running
-        bed.set_link(1, down=True)        # unplug it (loss=..., delay=... need netem)
+        bed.set_link(1, loss=1.0)         # drop 1% each way (netem, else nftables)
+        bed.set_link(1, down=True)        # unplug it (delay=... needs netem)
 
 Processes are ended by id: the bed kills exactly what ``ip netns pids`` lists for its
 own namespaces, and never runs ``ray stop`` (that would end every Ray on the machine).
@@ -32,6 +34,7 @@ own namespaces, and never runs ``ray stop`` (that would end every Ray on the mac
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -58,6 +61,8 @@ IFNAME = "psnet0"
 #: The bed's /24, inside 198.18.0.0/15 (RFC 2544 benchmarking range); node i is .(i + 1).
 SUBNET = "198.18.0"
 GCS_PORT = 6379
+#: Stem of the nftables tables that emulate loss where the kernel has no netem.
+NFT_TABLE = "psbed_loss"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
@@ -66,6 +71,10 @@ _IP_TIMEOUT_S = 30.0
 
 class NetBedError(RuntimeError):
     """The bed could not be built, started or shaped."""
+
+
+class _NoNetem(NetBedError):
+    """The kernel has no netem qdisc."""
 
 
 def parse_rate(rate: str) -> int:
@@ -112,7 +121,8 @@ class LinkShape:
     Attributes:
         rate: Token-bucket rate in tc syntax (``"1gbit"``).
         delay: One-way netem delay added in each direction (``"0ms"``, ``"5ms"``).
-        loss: Percentage of packets netem drops in each direction (0 to 100).
+        loss: Percentage of packets dropped in each direction (0 to 100): by netem,
+            or by an nftables rule where the kernel has no netem.
         queue: tbf ``latency``: the longest a packet may wait in the bucket's queue,
             which sets the queue's size. A few milliseconds, like a switch port's
             buffer, rather than tc's customary 50 ms that bloats every RTT.
@@ -240,10 +250,8 @@ def kill_namespaces(namespaces: Sequence[str], grace_s: float = 3.0) -> list[int
         if not pids:
             break
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
         signalled.extend(p for p in pids if p not in signalled)
         deadline = time.monotonic() + wait_s
         while alive() and time.monotonic() < deadline:
@@ -332,6 +340,8 @@ class NetBed:
         self._shapes = [shape or LinkShape()] * nodes
         self._down = [False] * nodes
         self._netem = [False] * nodes  # netem installed on node i's link
+        self._nft_loss = [False] * nodes  # nftables drop rules on node i's link
+        self._has_netem: bool | None = None  # unknown until first needed
         self._made: list[str] = []  # namespaces created so far, for teardown
         self._started = False
         self._token = secrets.token_hex(32)
@@ -470,17 +480,41 @@ class NetBed:
 
         A token bucket is the root qdisc. Delay and loss need netem, added as the
         bucket's child the first time they are asked for (not before: some kernels
-        are built without netem, and rate limiting alone must work there).
+        are built without netem, and rate limiting alone must work there). Where the
+        kernel has no netem, loss (not delay) falls back to nftables: a netdev egress
+        chain on each end drops that share of the packets leaving it.
         """
         s = self._shapes[i]
-        ends = ((self.node_ns(i), IFNAME), (self.switch_ns, f"n{i}"))
-        for ns, dev in ends:
+        for ns, dev in self._ends(i):
             verb = "add" if new else "change"
             tbf = f"rate {s.rate} burst {s.burst_bytes()} latency {s.queue}"
             _tc(*f"qdisc {verb} dev {dev} root handle 1: tbf {tbf}".split(), ns=ns)
-        if not (self._netem[i] or s.delay_s() > 0 or s.loss > 0):
-            return
-        for ns, dev in ends:
+        if self._netem[i] or s.delay_s() > 0 or (s.loss > 0 and self._has_netem is not False):
+            try:
+                self._apply_netem(i)
+                return
+            except _NoNetem as e:
+                if s.delay_s() > 0:
+                    raise NetBedError(
+                        "this kernel has no netem qdisc (CONFIG_NET_SCH_NETEM), so delay "
+                        "cannot be emulated; rate limits, down links and loss (through "
+                        "nftables) still work"
+                    ) from e
+        if s.loss > 0 or self._nft_loss[i]:
+            self._apply_nft_loss(i)
+
+    def _ends(self, i: int) -> tuple[tuple[str, str], tuple[str, str]]:
+        """(namespace, device) of both ends of node ``i``'s link: node, then switch."""
+        return (self.node_ns(i), IFNAME), (self.switch_ns, f"n{i}")
+
+    def _apply_netem(self, i: int) -> None:
+        """Adds or changes netem (delay and loss) under node ``i``'s token buckets.
+
+        Raises:
+            _NoNetem: The kernel has no netem (remembered for the bed's lifetime).
+        """
+        s = self._shapes[i]
+        for ns, dev in self._ends(i):
             verb = "change" if self._netem[i] else "add"
             # A queue deep enough for a bandwidth-delay product of TSO super-packets.
             netem = f"delay {s.delay} loss {float(s.loss)}% limit 100000"
@@ -488,14 +522,88 @@ class NetBed:
                 _tc(*f"qdisc {verb} dev {dev} parent 1:1 handle 10: netem {netem}".split(), ns=ns)
             except NetBedError as e:
                 if "unknown" in str(e).lower():
-                    raise NetBedError(
-                        "this kernel has no netem qdisc (CONFIG_NET_SCH_NETEM), so delay "
-                        "and loss cannot be emulated; rate limits and down links still work"
-                    ) from e
+                    self._has_netem = False
+                    raise _NoNetem(str(e)) from e
                 raise
+        self._has_netem = True
         self._netem[i] = True
 
+    def _apply_nft_loss(self, i: int) -> None:
+        """Drops ``loss`` percent of the packets leaving each end of node ``i``'s link.
+
+        One netdev table per end, replaced atomically (declare, delete, define in one
+        ``nft -f``); loss 0 removes it. The tables live in the bed's namespaces, so
+        they go with them. The counter lets :meth:`dropped` report what was dropped.
+        """
+        if shutil.which("nft") is None:
+            raise NetBedError(
+                "packet loss needs netem (CONFIG_NET_SCH_NETEM), which this kernel lacks, "
+                "or the nft command (package nftables) for a netdev egress drop rule"
+            )
+        s = self._shapes[i]
+        # numgen draws a uniform integer per packet: keep [0, loss * 100) of 10000.
+        threshold = round(float(s.loss) * 100)
+        for ns, dev in self._ends(i):
+            table = f"table netdev {NFT_TABLE}_{dev}"
+            script = f"{table}\ndelete {table}\n"
+            if threshold > 0:
+                script += (
+                    f"{table} {{\n chain egress {{\n"
+                    f'  type filter hook egress device "{dev}" priority 0; policy accept;\n'
+                    f"  numgen random mod 10000 < {threshold} counter drop\n }}\n}}\n"
+                )
+            self._nft(ns, script)
+        self._nft_loss[i] = threshold > 0
+
+    def _nft(self, ns: str, script: str) -> str:
+        """Runs an nft script in namespace ``ns``."""
+        try:
+            p = subprocess.run(
+                ["ip", "netns", "exec", ns, "nft", "-f", "-"],
+                input=script,
+                check=False,
+                capture_output=True,
+                text=True,
+                timeout=_IP_TIMEOUT_S,
+            )
+        except subprocess.TimeoutExpired as e:
+            raise NetBedError(f"nft in {ns} timed out after {_IP_TIMEOUT_S} s") from e
+        if p.returncode != 0:
+            raise NetBedError(
+                f"nft in {ns} failed ({p.returncode}): {p.stderr.strip()} (a netdev egress "
+                "hook needs Linux 5.16 or later)"
+            )
+        return p.stdout
+
+    def dropped(self, node: int) -> int:
+        """Packets the emulated loss dropped on node ``node``'s link, both directions.
+
+        Counts netem's drops or the nftables rule's, whichever emulates the loss.
+        """
+        total = 0
+        for ns, dev in self._ends(node):
+            if self._netem[node]:
+                for q in json.loads(_tc("-s", "-j", "qdisc", "show", "dev", dev, ns=ns)):
+                    if q.get("kind") == "netem":
+                        total += int(q.get("drops", 0))
+            elif self._nft_loss[node]:
+                out = self._nft(ns, f"list table netdev {NFT_TABLE}_{dev}\n")
+                total += sum(int(n) for n in re.findall(r"counter packets (\d+)", out))
+        return total
+
     def _start_ray(self) -> None:
+        for i in range(self.nodes):
+            self.start_node(i)
+        self._wait_for_nodes()
+
+    def start_node(self, i: int) -> None:
+        """Starts the Ray node of namespace ``i`` (the head for ``i == 0``).
+
+        Also starts a node again after :meth:`kill_node`: it joins as a new node.
+
+        Raises:
+            NetBedError: If ``ray start`` fails or exceeds ``start_timeout_s``.
+        """
         ray_bin = Path(sys.executable).with_name("ray")
         ray_cmd = str(ray_bin) if ray_bin.exists() else shutil.which("ray")
         if not ray_cmd:
@@ -505,27 +613,47 @@ class NetBed:
             f"--object-store-memory={self.object_store_mb * 1024 * 1024}",
             "--disable-usage-stats",
         ]
-        for i in range(self.nodes):
-            role = (
-                ["--head", f"--port={GCS_PORT}", "--include-dashboard=false"]
-                if i == 0
-                else [f"--address={self.address}"]
-            )
-            cmd = [
-                ray_cmd,
-                "start",
-                *role,
-                f"--node-ip-address={self.node_ip(i)}",
-                f"--temp-dir={self.temp_dir(i)}",
-                *common,
-            ]
+        role = (
+            ["--head", f"--port={GCS_PORT}", "--include-dashboard=false"]
+            if i == 0
+            else [f"--address={self.address}"]
+        )
+        cmd = [
+            ray_cmd,
+            "start",
+            *role,
+            f"--node-ip-address={self.node_ip(i)}",
+            f"--temp-dir={self.temp_dir(i)}",
+            *common,
+        ]
+        try:
             p = self.exec(i, cmd, timeout=self.start_timeout_s, capture=True)
-            if p.returncode != 0:
-                raise NetBedError(
-                    f"ray start on node {i} failed ({p.returncode}):\n{p.stdout[-3000:]}"
-                    f"\n{p.stderr[-3000:]}"
-                )
-        self._wait_for_nodes()
+        except subprocess.TimeoutExpired as e:
+            raise NetBedError(f"ray start on node {i} took over {self.start_timeout_s} s") from e
+        if p.returncode != 0:
+            raise NetBedError(
+                f"ray start on node {i} failed ({p.returncode}):\n{p.stdout[-3000:]}"
+                f"\n{p.stderr[-3000:]}"
+            )
+
+    def kill_node(self, i: int) -> list[int]:
+        """Loses node ``i`` the way a machine dies: SIGKILL to every process in its
+        namespace (raylet, object store, workers), with no shutdown of any kind.
+
+        The namespace and its link stay, so :meth:`start_node` can bring a new Ray
+        node up in its place.
+
+        Returns:
+            The ids of the processes killed.
+        """
+        pids = namespace_pids(self.node_ns(i))
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10.0
+        while namespace_pids(self.node_ns(i)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return pids
 
     def _wait_for_nodes(self) -> None:
         # One short-lived driver in the head namespace: also proves auth and routing.

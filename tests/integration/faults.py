@@ -52,7 +52,10 @@ def resumable_loop(config: dict[str, Any]) -> None:
     make rank 0 stop that shard's process with SIGSTOP before the step's forward,
     so it hangs without dying; ``nan_rank``/``nan_step`` poison that worker's
     gradient; ``lose_node_rank``/``lose_node_step`` make that worker ask the test
-    driver (file ``node_to_remove``) to remove its whole node, then wait.
+    driver (file ``node_to_remove``) to remove its whole node, then wait;
+    ``link_fault_step`` makes rank 0 ask the test (file ``link_fault``, holding the
+    time) to break a network link, then pause ``link_fault_pause_s`` (1 s) so the
+    fault is in place before the step's communication.
     """
     rank = ray.train.get_context().get_world_rank()
     model = _model()
@@ -89,6 +92,8 @@ def resumable_loop(config: dict[str, Any]) -> None:
             node = ray.get_runtime_context().get_node_id()
             Path(config["marker_dir"], "node_to_remove").write_text(node)
             time.sleep(120)
+        if rank == 0 and step == config.get("link_fault_step") and _once(config, "link_fault"):
+            time.sleep(config.get("link_fault_pause_s", 1.0))
         x, y = _batch(step, rank)
         loss = nn.functional.cross_entropy(model(x), y)
         if rank == config.get("nan_rank") and step == config.get("nan_step"):

@@ -1,9 +1,12 @@
 """Reliability on a real local Ray cluster: restarts from checkpoints after worker
 and server failures, bounded failures, NaN policy, mismatched models, no leaks."""
 
+import contextlib
 import re
 import threading
 import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import ray
@@ -72,15 +75,20 @@ def test_killed_shard_recovers_through_restart_exactly(reference, tmp_path):
     _no_leaks()
 
 
-@pytest.mark.parametrize("mode", ["sync", "ssp"])  # async shares ssp's client and shard
+KILLED_TIMEOUT_S = 30.0
+
+
+@pytest.mark.parametrize("mode", ["sync", "ssp", "async"])
 def test_killed_shard_without_retries_fails_fast_naming_the_shard(tmp_path, mode):
-    t0 = time.monotonic()
     with pytest.raises(TrainingFailedError, match=r"server shard\(s\) \[1\] failed") as info:
         _fit(tmp_path, f"shard_dies_hard_{mode}", kill_shard=1, kill_step=7,
-             ps={"ps_timeout_s": 20, "mode": mode})
+             ps={"ps_timeout_s": KILLED_TIMEOUT_S, "mode": mode})
     assert any(isinstance(e, PSError) for e in loops.worker_errors(info.value))
-    # A dead actor fails its call at once: well within ps_timeout_s plus shutdown.
-    assert time.monotonic() - t0 < 60
+    # A dead actor fails its calls at once: fit() has raised (shutdown included)
+    # before ps_timeout_s could have run out, so the death was seen, not timed out
+    # (measured: under a second after the kill).
+    killed = float((tmp_path / f"markers-shard_dies_hard_{mode}" / "kill").read_text())
+    assert time.time() - killed < KILLED_TIMEOUT_S
     _no_leaks()
 
 
@@ -121,48 +129,69 @@ def test_hung_shard_with_retries_recovers_exactly_in_sync(reference, tmp_path):
     _no_leaks()
 
 
+# Workers that need a "slot" land on two fresh nodes only; the head and the session's
+# second node have none, so when one fresh node goes the survivor takes both workers.
+SLOT_SCALING = ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5, "slot": 1},
+                             placement_strategy="SPREAD")
+
+
+@contextlib.contextmanager
+def _a_node_goes(ray_cluster, marker_dir: Path, marker: str, graceful: bool = False,
+                 before: Callable[[str], bool] | None = None) -> Iterator[list[str]]:
+    """Adds two slot nodes; a background thread removes the one a worker names.
+
+    A worker writes its node id to ``marker_dir / marker``; the thread then calls
+    ``before(node_id)`` (if given; it returns whether to go on) and removes that node.
+    On exit the thread is joined (bounded) and the surviving fresh node is removed.
+
+    Yields:
+        The ids of the removed nodes (empty, or the one node).
+    """
+    nodes = [ray_cluster.add_node(num_cpus=2, resources={"slot": 2}) for _ in range(2)]
+    ray_cluster.wait_for_nodes()
+    removed: list[str] = []
+
+    def remove() -> None:
+        target = marker_dir / marker
+        if not loops.wait_until(target.exists, timeout_s=240):
+            return
+        node_id = target.read_text()
+        if before is not None and not before(node_id):
+            return
+        for node in nodes:
+            if node.node_id == node_id:
+                ray_cluster.remove_node(node, allow_graceful=graceful)
+                removed.append(node_id)
+
+    thread = threading.Thread(target=remove, daemon=True)
+    thread.start()
+    try:
+        yield removed
+        thread.join(10)
+    finally:
+        for node in nodes:
+            if node.node_id not in removed:
+                ray_cluster.remove_node(node)
+
+
 def test_lost_node_restarts_on_the_rest_and_ends_exactly(reference, ray_cluster, tmp_path):
     """A whole node dies with its worker and its shard; Ray Train restarts the run on
     the remaining nodes from the last checkpoint, and sync ends bit-identical."""
-    # Two fresh nodes carry the workers (a "slot" each is needed); the head and the
-    # session's second node have no slot, so the survivor takes both on restart.
-    nodes = [ray_cluster.add_node(num_cpus=2, resources={"slot": 2}) for _ in range(2)]
-    ray_cluster.wait_for_nodes()
-    scaling = ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5, "slot": 1},
-                            placement_strategy="SPREAD")
     marker_dir = tmp_path / "markers-node_lost"
     marker_dir.mkdir()
-    removed: list[str] = []
-
-    def remove_the_node() -> None:
-        target = marker_dir / "node_to_remove"
-        if loops.wait_until(target.exists, timeout_s=240):
-            node_id = target.read_text()
-            for node in nodes:
-                if node.node_id == node_id:
-                    ray_cluster.remove_node(node, allow_graceful=False)
-                    removed.append(node_id)
-
-    killer = threading.Thread(target=remove_the_node, daemon=True)
-    killer.start()
-    try:
+    with _a_node_goes(ray_cluster, marker_dir, "node_to_remove") as removed:
         result = PSTrainer(
             faults.resumable_loop,
             train_loop_config={"steps": STEPS, "every": EVERY, "marker_dir": str(marker_dir),
                                "lose_node_rank": 1, "lose_node_step": 12},
             ps_config=PSConfig(ps_timeout_s=20),
-            scaling_config=scaling,
+            scaling_config=SLOT_SCALING,
             run_config=RunConfig(storage_path=str(tmp_path / "storage"), name="node_lost",
                                  failure_config=FailureConfig(max_failures=1)),
         ).fit()
-        killer.join(10)
-        assert len(removed) == 1  # rank 1's node, one of the two fresh ones
-        assert 0 < result.metrics["start"] <= 12
-        _assert_exact(faults.load(result), reference)
-    finally:
-        for node in nodes:
-            if node.node_id not in removed:
-                ray_cluster.remove_node(node)
+    assert len(removed) == 1  # rank 1's node, one of the two fresh ones
+    assert 0 < result.metrics["start"] <= 12
+    _assert_exact(faults.load(result), reference)
     _no_leaks()
 
 
@@ -186,36 +215,21 @@ def test_preemption_checkpoints_the_shards_and_resumes_losing_at_most_one_step(
     """Async: on a preemption notice the workers write a checkpoint holding the
     shards' parameters; the node then goes, the run resumes from that checkpoint on
     the remaining node, and the new shards hold exactly its parameters."""
-    nodes = [ray_cluster.add_node(num_cpus=2, resources={"slot": 2}) for _ in range(2)]
-    ray_cluster.wait_for_nodes()
     marker_dir = tmp_path / "markers-preempt"
     marker_dir.mkdir()
-    removed: list[str] = []
 
-    def preempt() -> None:
-        target = marker_dir / "node_to_drain"
-        if not loops.wait_until(target.exists, timeout_s=240):
-            return
-        node_id = target.read_text()
+    def drain_then_wait_for_the_checkpoint(node_id: str) -> bool:
         _drain_for_preemption(node_id, deadline_s=60)
-        if loops.wait_until((marker_dir / "preempt_checkpoint_1").exists, timeout_s=120):
-            for node in nodes:
-                if node.node_id == node_id:
-                    ray_cluster.remove_node(node, allow_graceful=True)
-                    removed.append(node_id)
+        return loops.wait_until((marker_dir / "preempt_checkpoint_1").exists, timeout_s=120)
 
-    driver = threading.Thread(target=preempt, daemon=True)
-    driver.start()
-    try:
+    with _a_node_goes(ray_cluster, marker_dir, "node_to_drain", graceful=True,
+                      before=drain_then_wait_for_the_checkpoint) as removed:
         result = PSTrainer(
             faults.resumable_loop,
             train_loop_config={"steps": STEPS, "every": 10, "marker_dir": str(marker_dir),
                                "preemption": True},
             ps_config=PSConfig(mode="async", ps_timeout_s=20),
-            scaling_config=ScalingConfig(
-                num_workers=2, resources_per_worker={"CPU": 0.5, "slot": 1},
-                placement_strategy="SPREAD",
-            ),
+            scaling_config=SLOT_SCALING,
             run_config=RunConfig(
                 storage_path=str(tmp_path / "storage"), name="preempt",
                 # Removing a node of a local Cluster is a SIGTERM to its raylet, which
@@ -226,23 +240,18 @@ def test_preemption_checkpoints_the_shards_and_resumes_losing_at_most_one_step(
                 failure_config=FailureConfig(max_failures=1, max_preemption_failures=1),
             ),
         ).fit()
-        driver.join(10)
-        assert len(removed) == 1
-        checkpointed = int((marker_dir / "preempt_checkpoint_0").read_text())
-        m = result.metrics
-        # Resumed from the preemption checkpoint itself, not an older periodic one.
-        assert m["start"] == checkpointed and m["step"] == STEPS
-        # Steps lost: what rank 0 ran after that checkpoint before the node went.
-        # get_preemption_info() is a barrier each step, and rank 1 never reaches the
-        # next one, so rank 0 can finish at most the step it was in.
-        lost = sum(1 for _ in marker_dir.glob("steps_after_preempt_0_*"))
-        assert lost <= 1
-        probe = marker_dir / "restored_server_vs_checkpoint"
-        assert float(probe.read_text()) == 0.0
-    finally:
-        for node in nodes:
-            if node.node_id not in removed:
-                ray_cluster.remove_node(node)
+    assert len(removed) == 1
+    checkpointed = int((marker_dir / "preempt_checkpoint_0").read_text())
+    m = result.metrics
+    # Resumed from the preemption checkpoint itself, not an older periodic one.
+    assert m["start"] == checkpointed and m["step"] == STEPS
+    # Steps lost: what rank 0 ran after that checkpoint before the node went.
+    # get_preemption_info() is a barrier each step, and rank 1 never reaches the
+    # next one, so rank 0 can finish at most the step it was in.
+    lost = sum(1 for _ in marker_dir.glob("steps_after_preempt_0_*"))
+    assert lost <= 1
+    probe = marker_dir / "restored_server_vs_checkpoint"
+    assert float(probe.read_text()) == 0.0
     _no_leaks()
 
 

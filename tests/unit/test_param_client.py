@@ -176,6 +176,23 @@ def test_ssp_wait_is_bounded_and_names_the_rank(loop):
         clients[0].before_forward()
 
 
+@pytest.mark.parametrize("staleness", [None, 2], ids=["async", "ssp"])
+def test_a_worker_has_at_most_one_unconfirmed_push_per_shard(loop, staleness):
+    """The most a dying shard can take with it from a worker: that worker's newest
+    update. With the replies held back, the next optimizer step waits for them
+    (bounded by ps_timeout_s) rather than sending a second push."""
+    _, transport, models, clients = _setup(loop, 2, shards=2, staleness=staleness, timeout_s=0.3)
+    opt = torch.optim.SGD(models[0].parameters(), lr=0.1)
+    x, y = torch.randn(4, 5), torch.randn(4, 3)
+    transport.hold()
+    _sgd_step(models[0], opt, clients[0], x, y)  # clock 1 sent, unconfirmed
+    assert sorted((c[1], c[4]) for c in transport.pushes()) == [(0, 1), (1, 1)]
+    with pytest.raises(PSTimeoutError, match="rank 0: model 0: clock 1"):
+        _sgd_step(models[0], opt, clients[0], x, y)
+    assert len(transport.pushes()) == 2  # no push of clock 2 while clock 1 is open
+    transport.release()
+
+
 def test_only_optimizers_of_the_model_trigger_a_push(loop):
     """Through the real process-wide optimizer hooks: stepping another model's
     optimizer sends nothing; stepping this model's sends one push per shard."""
