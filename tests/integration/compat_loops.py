@@ -5,7 +5,9 @@ from a fixed ``torch.Generator``) and ends with :func:`finish`, which writes the
 parameters that matter into a checkpoint (rank 0) and each rank's metrics into
 ``rank{r}.json`` of the same checkpoint (Ray Train merges the workers' directories),
 so that tests/integration/test_compat.py can compare a DDP run with a PS run of the
-same unchanged loop.
+same unchanged loop. :func:`cases_loop` runs several loops one after another in one
+Train run; each then writes into its own subdirectory (``config["case"]``) of the
+checkpoint of its final report.
 
 Loops that exercise several patterns in one run record each pattern's failure
 (``errors[pattern]``: exception type, first line of the message and the innermost
@@ -101,6 +103,7 @@ def finish(
     metrics: dict[str, Any],
     extra_states: dict[str, Any] | None = None,
     final_eval: Callable[[], dict[str, Any]] | None = None,
+    case: str = "",
 ) -> None:
     """The harness's last report, written so that a failure here does not hide what
     the loop recorded before.
@@ -112,6 +115,7 @@ def finish(
     ``rank{r}.json``. A failing flush or ``state_dict()`` is recorded in
     ``errors["finish"]`` and rank 0 then saves the parameters as they are. ``final_eval``
     runs on every rank after the states are taken; its metrics join that rank's.
+    Under :func:`cases_loop` both files go into the subdirectory ``case``.
     """
     rank, _ = rank_and_world()
     ctx = get_ps_context()
@@ -128,23 +132,37 @@ def finish(
         return snapshot(unwrap(m))
 
     with tempfile.TemporaryDirectory() as d:
+        out = Path(d, case)
+        out.mkdir(exist_ok=True)
         if rank == 0:
             states = {name: state(m) for name, m in models.items()}
             states.update(extra_states or {})
-            torch.save(states, f"{d}/states.pt")
+            torch.save(states, out / "states.pt")
         if final_eval is not None:
             metrics.update(final_eval())
         metrics["rank"] = rank
         metrics["has_ps_context"] = ctx is not None
-        Path(d, f"rank{rank}.json").write_text(json.dumps(metrics))
+        (out / f"rank{rank}.json").write_text(json.dumps(metrics))
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
 
 
-def final_checkpoint_dir(run_dir: Path) -> Path | None:
-    """The newest checkpoint of a run that holds :func:`finish`'s ``states.pt`` (also
-    when ``fit()`` raised afterwards), or None."""
-    found = sorted(p.parent for p in Path(run_dir).glob("checkpoint_*/states.pt"))
+def final_checkpoint_dir(run_dir: Path, case: str = "") -> Path | None:
+    """Where the newest checkpoint of a run holds :func:`finish`'s ``states.pt`` for
+    ``case`` (also when ``fit()`` raised afterwards), or None."""
+    pattern = f"checkpoint_*/{case}/states.pt" if case else "checkpoint_*/states.pt"
+    found = sorted(p.parent for p in Path(run_dir).glob(pattern))
     return found[-1] if found else None
+
+
+def cases_loop(config: dict[str, Any]) -> None:
+    """Several loops in one Train run, one after another: ``config["cases"]`` is a
+    list of ``(case, loop, loop_config)``; each loop ends with its own :func:`finish`
+    report, written under ``case``. Models prepared by an earlier loop stay
+    prepared (the run's later loops train beside them). A loop that raises fails
+    the run, and with it every later case of the list.
+    """
+    for case, loop, loop_config in config["cases"]:
+        loop({**loop_config, "case": case})
 
 
 def load_states(checkpoint_dir: Path) -> dict[str, Any]:
@@ -323,6 +341,7 @@ def ray_example_loop(config: dict[str, Any]) -> None:
         {"model": model},
         {"example_reports": reported, "initial_loss": initial[0]},
         final_eval=lambda: {"final_loss": evaluate(unwrap(model))},
+        case=config.get("case", ""),
     )
 
 
@@ -625,6 +644,7 @@ def single_model_loop(config: dict[str, Any]) -> None:
         {"errors": errors, "initial_loss": initial, **info},
         extra_states=states,
         final_eval=lambda: {"final_loss": eval_loss(unwrap(model))},
+        case=config.get("case", ""),
     )
 
 
@@ -714,6 +734,7 @@ def gan_loop(config: dict[str, Any]) -> None:
         {"errors": errors, "initial_gap": initial_gap, "d_losses": d_losses},
         extra_states=states,
         final_eval=lambda: {"final_gap": gan_gap(unwrap(g))},
+        case=config.get("case", ""),
     )
 
 
@@ -798,6 +819,7 @@ def twins_loop(config: dict[str, Any]) -> None:
         {"errors": errors, "initial": initial},
         extra_states=states,
         final_eval=lambda: {"final": twin_losses(unwrap(q1), unwrap(q2))},
+        case=config.get("case", ""),
     )
 
 
@@ -885,4 +907,5 @@ def resume_loop(config: dict[str, Any]) -> None:
             "initial_loss": initial,
         },
         final_eval=lambda: {"final_loss": eval_loss(unwrap(model))},
+        case=config.get("case", ""),
     )

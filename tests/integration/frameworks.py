@@ -8,7 +8,8 @@ are tiny and built from code (no download); the data is synthetic and seeded.
 
 Both report, from every rank: the final model's loss on the whole data set, the
 median step time, the steps taken, and the PS counters when there is a PS context;
-rank 0 attaches the trained module's ``state_dict()`` as ``model.pt``.
+rank 0 attaches the trained module's ``state_dict()`` as ``model.pt``
+(:func:`framework_loop` can also run both in one Train run).
 """
 
 from __future__ import annotations
@@ -28,13 +29,39 @@ from ray_ps_plugin import get_ps_context
 
 
 def framework_loop(config: dict[str, Any]) -> None:
-    """Runs ``config["framework"]``'s loop ("lightning" or "transformers")."""
+    """Runs ``config["framework"]``'s loop ("lightning" or "transformers"), or each
+    framework of a list in turn (``steps`` then maps each framework to its steps).
+
+    One framework: its metrics are the report (see :func:`report`). Several: one
+    report at the end holds each framework's metrics under its name and, on rank 0,
+    each trained ``state_dict()`` as ``<framework>.pt``; ``ps_num_models`` counts the
+    models that framework's own loop prepared.
+    """
     torch.set_num_threads(1)
     loops = {"lightning": lightning_loop, "transformers": transformers_loop}
-    steps = config["steps"]
-    if isinstance(steps, dict):  # per framework, from a sweep over frameworks
-        config = {**config, "steps": steps[config["framework"]]}
-    loops[config["framework"]](config)
+    names = config["framework"]
+    if isinstance(names, str):
+        steps = config["steps"]
+        if isinstance(steps, dict):
+            config = {**config, "steps": steps[names]}
+        report(*loops[names](config))
+        return
+    metrics: dict[str, Any] = {}
+    states: dict[str, dict[str, torch.Tensor]] = {}
+    for name in names:
+        ctx = get_ps_context()
+        before = ctx.num_models if ctx is not None else 0
+        out = loops[name]({**config, "framework": name, "steps": config["steps"][name]})
+        metrics[name], states[name] = summarize(*out)
+        if ctx is not None:
+            metrics[name]["ps_num_models"] -= before
+    with tempfile.TemporaryDirectory() as d:
+        checkpoint = None
+        if ray.train.get_context().get_world_rank() == 0:
+            for name, state in states.items():
+                torch.save(state, f"{d}/{name}.pt")
+            checkpoint = ray.train.Checkpoint.from_directory(d)
+        ray.train.report(metrics, checkpoint=checkpoint)
 
 
 # --- PyTorch Lightning ----------------------------------------------------------------
@@ -45,7 +72,7 @@ def classification_data(n: int = 256, dim: int = 16, classes: int = 4) -> Any:
     return torch.utils.data.TensorDataset(x, y)
 
 
-def lightning_loop(config: dict[str, Any]) -> None:
+def lightning_loop(config: dict[str, Any]) -> Trained:
     """A LightningModule trained by ``pl.Trainer`` with Ray's DDP strategy."""
     import pytorch_lightning as pl
     from ray.train.lightning import RayDDPStrategy, RayLightningEnvironment, prepare_trainer
@@ -104,7 +131,7 @@ def lightning_loop(config: dict[str, Any]) -> None:
     trainer = prepare_trainer(trainer)
     trainer.fit(model, train_dataloaders=loader)
     x, y = data.tensors
-    report(
+    return (
         model,
         lambda: nn.functional.cross_entropy(model(x), y).item(),
         timer,
@@ -150,7 +177,7 @@ def tiny_bert() -> Any:
     return BertForSequenceClassification(cfg)
 
 
-def transformers_loop(config: dict[str, Any]) -> None:
+def transformers_loop(config: dict[str, Any]) -> Trained:
     """``transformers.Trainer`` (accelerate builds the DDP) with Ray's prepare_trainer."""
     import transformers
     from ray.train.huggingface.transformers import prepare_trainer
@@ -190,7 +217,7 @@ def transformers_loop(config: dict[str, Any]) -> None:
     wrapper = type(trainer.model_wrapped).__name__
     model.eval()
     batch = transformers.default_data_collator([data[i] for i in range(len(data))])
-    report(
+    return (
         model,
         lambda: model(**batch).loss.item(),
         timer,
@@ -217,14 +244,19 @@ class StepTimer:
         return 1e3 * statistics.median(self.times) if self.times else float("nan")
 
 
-def report(
+# What a framework's loop hands back: the trained module, its loss on the whole data
+# set, the step timer, the steps taken, and extra metrics.
+Trained = tuple[nn.Module, Callable[[], float], StepTimer, int, dict[str, Any]]
+
+
+def summarize(
     module: nn.Module,
     loss: Callable[[], float],
     timer: StepTimer,
     steps: int,
     extra: dict[str, Any],
-) -> None:
-    """Every rank reports; rank 0 attaches ``module.state_dict()`` as model.pt.
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """This rank's metrics and a copy of ``module.state_dict()``.
 
     Under PS every worker first flushes, then waits for the others (the documented
     recipe for a final checkpoint holding every worker's last update); in async/ssp
@@ -255,6 +287,13 @@ def report(
             ps_bytes_pulled=st.bytes_pulled,
             ps_skipped_steps=st.skipped_steps,
         )
+    return metrics, state
+
+
+def report(*trained: Any) -> None:
+    """Every rank reports :func:`summarize`'s metrics; rank 0 attaches the state as
+    model.pt."""
+    metrics, state = summarize(*trained)
     with tempfile.TemporaryDirectory() as d:
         checkpoint = None
         if ray.train.get_context().get_world_rank() == 0:

@@ -9,10 +9,15 @@ on two workers and checks:
 - ``async`` / ``ssp1`` (staleness 1): the loop finishes, parameters are finite and
   the loss went down.
 
-Each (loop, mode) pair is run once per session and shared by the tests that read it
-(``pytest -s`` prints one ``[compat] <case>-<mode>: <seconds>: ok | <root error>``
-line per run). Loops that cover several patterns record each pattern's failure
-separately, so one failing pattern fails its own test, not its neighbours'.
+Ray Train runs, not cells, are what the matrix costs (each starts a worker group and
+its servers), so the cases share runs: one Train run per mode runs every case's loop
+in sequence (compat_loops.cases_loop; the DDP run starts with the uninterrupted
+resume reference), and one more per mode kills a worker for the resume case: 8 runs
+for 24 (case, mode) pairs. Each case writes its own final checkpoint, which the
+tests of that case read (``pytest -s`` prints one ``[compat] <mode>: <seconds>:
+ok | <root error>`` line per run). Loops that cover several patterns record each
+pattern's failure separately, so one failing pattern fails its own test, not its
+neighbours'; a loop that raises fails its run's later cases too.
 """
 
 import os
@@ -84,7 +89,8 @@ EXAMPLE_CONFIGS: dict[str, dict[str, Any]] = {
 }
 # These two download FashionMNIST inside their training function; the harness swaps
 # in synthetic data of the same shape (the functions run unchanged otherwise). Not
-# in the default matrix (8 more runs); RAY_PS_COMPAT_ALL_EXAMPLES=1 adds them.
+# in the default matrix (they would lengthen every mode's run);
+# RAY_PS_COMPAT_ALL_EXAMPLES=1 adds them.
 DOWNLOADING_EXAMPLE_CONFIGS: dict[str, dict[str, Any]] = {
     # 128 synthetic images -> 64 per worker, batch 16: 4 steps per epoch.
     "fashion_mnist": {"lr": 1e-2, "epochs": 2, "batch_size_per_worker": 16},
@@ -109,6 +115,11 @@ CASES: dict[str, Case] = {
     "twins": Case(cl.twins_loop, {"steps_per_phase": 8}),
     "resume": Case(cl.resume_loop, {"steps": RESUME["steps"], "every": RESUME["every"]}),
 }
+# The cases of each mode's shared run, in order. resume_loop reads any checkpoint as
+# its restart, so it goes first, before another loop has reported one; it is in the
+# DDP run only, as the uninterrupted reference of test_resume_loading_after_prepare_model.
+SHARED_CASES = [c for c in CASES if c != "resume"]
+RUN_CASES = {mode: (["resume"] if mode == "ddp" else []) + SHARED_CASES for mode in MODES}
 
 
 @dataclass
@@ -167,7 +178,8 @@ def root_error(exc: BaseException) -> str:
 
 
 class Runs:
-    """Runs each (case, mode) once, on demand, and remembers the outcome."""
+    """Runs each mode's shared run (RUN_CASES) and its resume-after-a-crash run
+    once, on demand, and remembers every case's outcome."""
 
     def __init__(self, storage: Path) -> None:
         self._storage = storage
@@ -176,30 +188,32 @@ class Runs:
     def get(self, case: str, mode: str, crash: bool = False) -> Run:
         key = (case, mode, crash)
         if key not in self._done:
-            self._done[key] = self._fit(case, mode, crash)
+            self._fit(["resume"] if crash else RUN_CASES[mode], mode, crash)
         return self._done[key]
 
-    def _fit(self, case: str, mode: str, crash: bool) -> Run:
-        c = CASES[case]
-        name = f"{case}-{mode}{'-crash' if crash else ''}"
-        config = dict(c.config)
-        retries = 0
-        if crash:
-            marker_dir = self._storage / f"markers-{name}"
-            marker_dir.mkdir()
-            config.update(crash_after=RESUME["crash_after"], marker_dir=str(marker_dir))
-            retries = 1
+    def _fit(self, cases: list[str], mode: str, crash: bool) -> None:
+        assert not crash or cases == ["resume"], cases
+        name = f"{mode}{'-resume-crash' if crash else ''}"
+        plan, trainer_kwargs = [], {}
+        for case in cases:
+            config = dict(CASES[case].config)
+            if crash:
+                marker_dir = self._storage / f"markers-{name}"
+                marker_dir.mkdir()
+                config.update(crash_after=RESUME["crash_after"], marker_dir=str(marker_dir))
+            plan.append((case, CASES[case].loop, config))
+            trainer_kwargs.update(CASES[case].trainer_kwargs())
         trainer = PSTrainer(
-            c.loop,
-            train_loop_config=config,
+            cl.cases_loop,
+            train_loop_config={"cases": plan},
             ps_config=PSConfig(ps_timeout_s=PS_TIMEOUT_S, **MODES[mode]),
             scaling_config=SCALING,
             run_config=RunConfig(
                 storage_path=str(self._storage),
                 name=name,
-                failure_config=FailureConfig(max_failures=retries),
+                failure_config=FailureConfig(max_failures=1 if crash else 0),
             ),
-            **c.trainer_kwargs(),
+            **trainer_kwargs,
         )
         t0 = time.monotonic()
         error = None
@@ -207,12 +221,13 @@ class Runs:
             trainer.fit()
         except Exception as e:  # noqa: BLE001 - recorded; the tests that read it fail
             error = e
-        checkpoint = cl.final_checkpoint_dir(self._storage / name)
-        run = Run(name, error, checkpoint, time.monotonic() - t0)
+        seconds = time.monotonic() - t0
+        for case in cases:
+            checkpoint = cl.final_checkpoint_dir(self._storage / name, case)
+            self._done[case, mode, crash] = Run(f"{name}/{case}", error, checkpoint, seconds)
         # Shown with -s: the matrix's outcome and cost per run.
-        outcome = "ok" if run.error is None else root_error(run.error)
-        print(f"\n[compat] {name}: {run.seconds:.1f}s: {outcome}")
-        return run
+        outcome = "ok" if error is None else root_error(error)
+        print(f"\n[compat] {name} ({len(cases)} cases): {seconds:.1f}s: {outcome}")
 
 
 @pytest.fixture(scope="module")
