@@ -17,6 +17,8 @@ Variants (run in alternation within each round, so drifts hit them alike):
 - ``ps_sync_noagg``: direct path, but every worker pushes for itself
   (``node_aggregation=False``).
 - ``ps_sync_node``: one shard per node (``server_placement="node"``).
+- ``ps_sync_1mib`` / ``ps_sync_4mib`` / ``ps_sync_16mib``: fixed ``chunk_bytes``
+  instead of the automatic choice (1 MiB across nodes on the direct path).
 - ``compute``: no synchronisation at all (the floor; not run by default).
 
 Step time is rank 0's mean over the steps after warm-up; the table shows the median
@@ -73,6 +75,9 @@ VARIANTS: dict[str, tuple[dict[str, Any], str | None, bool]] = {
         True,
     ),
     "ps_sync_noagg": ({"strategy": "ps", "node_aggregation": False}, None, True),
+    "ps_sync_1mib": ({"strategy": "ps", "chunk_bytes": 1 << 20}, None, True),
+    "ps_sync_4mib": ({"strategy": "ps", "chunk_bytes": 4 << 20}, None, True),
+    "ps_sync_16mib": ({"strategy": "ps", "chunk_bytes": 16 << 20}, None, True),
     "ps_sync_node": ({"strategy": "ps", "server_placement": "node"}, None, True),
     "compute": ({"strategy": "ddp"}, None, False),
 }
@@ -94,6 +99,16 @@ def _link_bytes(ifname: str | None) -> int | None:
         return None
 
 
+def _retransmits() -> int | None:
+    """TCP segments retransmitted so far in this network namespace (the node's)."""
+    try:
+        lines = [ln.split() for ln in Path("/proc/net/snmp").read_text().splitlines()]
+        head, values = [ln for ln in lines if ln[0] == "Tcp:"][:2]
+        return int(values[head.index("RetransSegs")])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def bench_loop(config: dict[str, Any]) -> None:
     """Times the reference MLP's steps; rank 0 reports every worker's placement."""
     import torch.distributed as dist
@@ -101,9 +116,11 @@ def bench_loop(config: dict[str, Any]) -> None:
     ifname = config["ifname"]
     start: dict[str, int | None] = {}
     model, times = _common.prepared_mlp_steps(
-        config, lr=1e-3, on_timed_start=lambda: start.update(bytes=_link_bytes(ifname))
+        config,
+        lr=1e-3,
+        on_timed_start=lambda: start.update(bytes=_link_bytes(ifname), retrans=_retransmits()),
     )
-    end = _link_bytes(ifname)
+    end, retrans = _link_bytes(ifname), _retransmits()
     ctx = ray.train.get_context()
     mine = {
         "rank": ctx.get_world_rank(),
@@ -111,6 +128,9 @@ def bench_loop(config: dict[str, Any]) -> None:
         "node_ip": ray.util.get_node_ip_address(),
         "link_bytes_per_step": (end - start["bytes"]) / len(times)
         if end is not None and start.get("bytes") is not None
+        else None,
+        "tcp_retransmits_per_step": (retrans - start["retrans"]) / len(times)
+        if retrans is not None and start.get("retrans") is not None
         else None,
     }
     # After the timed steps: one small collective over the process group that both
@@ -276,6 +296,12 @@ def main() -> None:
         "counterpart": {k: counterpart(k) for k in names},
         "ratio_to_counterpart": {k: ratio(k, counterpart(k)) for k in names},
         "rank0_link_mb_per_step": {k: link_mb(k) for k in names},
+        "rank0_node_retransmits_per_step": {
+            k: statistics.median(
+                x[k]["workers"][0].get("tcp_retransmits_per_step") or 0 for x in rounds
+            )
+            for k in names
+        },
         "placement_last_round": placement,
         "rounds": rounds,
     }

@@ -438,6 +438,7 @@ NET_LABELS = {
     "ps_sync_bf16_store": 'PS sync, bf16, `data_path="object_store"`',
     "ps_sync_noagg": "PS sync, `node_aggregation=False`",
     "ps_sync_node": 'PS sync, `server_placement="node"`',
+    "ps_sync_16mib": "PS sync, `chunk_bytes=16 MiB`",
     "compute": "compute only (no synchronisation)",
 }
 NET_BASES = {"ddp": "DDP", "ddp_bf16": "DDP + bf16 hook"}

@@ -55,7 +55,7 @@ class RunSettings(Protocol):
 
     mode: Mode
     staleness: int
-    chunk_bytes: int
+    chunk_bytes: int | None
     ps_timeout_s: float
     ps_start_timeout_s: float
     nan_policy: NanPolicy

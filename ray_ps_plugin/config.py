@@ -74,7 +74,12 @@ class PSConfig(TorchConfig):
         chunk_bytes: Largest message a worker sends to one shard (sync mode).
             Gradients are cut into chunks of at most this many bytes, so big
             buckets reach several shards and several messages can be in flight at
-            once.
+            once. ``None`` (the default) picks it per run: 16 MiB when no chunk
+            crosses nodes on the direct TCP path (one node, or
+            ``data_path="object_store"``), where each message costs a Ray call;
+            1 MiB when chunks do cross on the direct path, where a frame is cheap and
+            small chunks let sums and answers flow while later chunks still travel
+            (raised if a shard would hold too many chunks at once).
         ps_timeout_s: Bound, in seconds, on every wait for a server shard during
             training (a push waiting for the other workers, a worker waiting for a
             sum) and on handing the servers to the workers and taking them back. A
@@ -120,7 +125,7 @@ class PSConfig(TorchConfig):
     mode: Mode = "sync"
     staleness: int = 0
     num_servers: int | None = None
-    chunk_bytes: int = 16 * 1024 * 1024
+    chunk_bytes: int | None = None
     ps_timeout_s: float = 120.0
     ps_start_timeout_s: float = 120.0
     nan_policy: NanPolicy = "raise"
@@ -141,7 +146,8 @@ class PSConfig(TorchConfig):
             )
         if self.num_servers is not None:
             _check_int("num_servers", self.num_servers, minimum=1)
-        _check_int("chunk_bytes", self.chunk_bytes, minimum=1024)
+        if self.chunk_bytes is not None:
+            _check_int("chunk_bytes", self.chunk_bytes, minimum=1024)
         _check_seconds("ps_timeout_s", self.ps_timeout_s)
         _check_seconds("ps_start_timeout_s", self.ps_start_timeout_s)
         _check_choice("nan_policy", self.nan_policy, NAN_POLICIES)

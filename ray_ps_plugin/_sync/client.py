@@ -44,7 +44,7 @@ from ray_ps_plugin._transport import Lane, Transport, open_lanes, wait_all
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["SHARD_MAX_CONCURRENCY", "SumClient", "check_concurrency"]
+__all__ = ["SHARD_MAX_CONCURRENCY", "SumClient", "auto_chunk_bytes", "check_concurrency"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +68,30 @@ def check_concurrency(layout: StreamLayout, world_size: int, relays: bool = Fals
             f"that exceeds the {SHARD_MAX_CONCURRENCY} pushes a shard holds at once. "
             "Raise chunk_bytes or num_servers."
         )
+
+
+#: ``chunk_bytes=None``: the chunk size where every message is a Ray call (one node,
+#: or the object store between nodes), and where chunks cross on the direct path.
+CALL_CHUNK_BYTES = 16 << 20
+WIRE_CHUNK_BYTES = 1 << 20
+
+
+def auto_chunk_bytes(
+    total_bytes: int, largest_share: int, world_size: int, relays: bool, direct: bool
+) -> int:
+    """The chunk size ``chunk_bytes=None`` picks for one model.
+
+    On the direct path a frame costs a 40-byte header, and 1 MiB chunks let the
+    owner sum and answer the first chunks while later ones still travel (measured on
+    a 1 Gbit/s link: see docs/benchmarks.md); elsewhere each chunk is a Ray call.
+    Chunks are never so small that a shard would hold more pushes at once than it
+    admits.
+    """
+    if not direct:
+        return CALL_CHUNK_BYTES
+    share = total_bytes if relays else largest_share
+    per_shard = SHARD_MAX_CONCURRENCY // (2 * world_size) - 8
+    return max(WIRE_CHUNK_BYTES, -(-share // max(1, per_shard)))
 
 
 def _np_dtype(t: torch.Tensor) -> str:
@@ -131,15 +155,22 @@ class SumClient(ClientBase):
     @classmethod
     def build(cls, setup: ClientSetup, transport: Transport) -> "SumClient":
         """Lays out the model's gradient stream and attaches the local shards."""
-        layout = StreamLayout(
-            sum(p.numel() * p.element_size() for p in setup.params),
-            setup.num_shards,
-            setup.settings.chunk_bytes,
-        )
+        total = sum(p.numel() * p.element_size() for p in setup.params)
         topology: Topology | None = setup.topology
         relay = None
         if topology is not None:
             relay = topology.relay_of(topology.worker_nodes[setup.rank])
+        chunk_bytes = setup.settings.chunk_bytes
+        if chunk_bytes is None:
+            # Whether any chunk of the run crosses nodes on the direct path; the
+            # same answer on every worker, so every worker cuts the stream alike.
+            direct = topology is not None and bool(topology.addresses)
+            share = -(-total // setup.num_shards) + 1
+            relays = topology is not None and any(
+                topology.relay_of(n) is not None for n in set(topology.worker_nodes)
+            )
+            chunk_bytes = auto_chunk_bytes(total, share, setup.world_size, relays, direct)
+        layout = StreamLayout(total, setup.num_shards, chunk_bytes)
         check_concurrency(layout, setup.world_size, relays=relay is not None)
         # The segment covers the shard's byte range plus slack: a chunk's last
         # element may end a few bytes past the range when the range is not aligned.

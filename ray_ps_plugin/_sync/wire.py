@@ -64,10 +64,6 @@ DTYPES = ("float16", "float32", "float64")
 #: Length of the per-run token a connection starts with.
 TOKEN_BYTES = 32
 
-# Socket buffers large enough for a chunk in flight on a long fat link; the kernel
-# caps them at net.core.{r,w}mem_max.
-_SOCKET_BUFFER = 8 << 20
-
 
 @dataclass(frozen=True)
 class Frame:
@@ -114,10 +110,10 @@ class Frame:
 
 
 def _tune(sock: socket.socket) -> None:
+    # No SO_SNDBUF/SO_RCVBUF: fixed buffers turn the kernel's autotuning off, and
+    # large fixed windows let a flow overrun a switch's shallow queue; autotuning
+    # sizes the window to the path.
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, opt, _SOCKET_BUFFER)
     sock.setblocking(False)
 
 

@@ -168,3 +168,14 @@ def test_waits_on_direct_path_pushes_are_bounded_and_raise_their_error():
         wait_all(t, [ok, hung], [1, 0], 0.05, "rank 1: step 3")
     with pytest.raises(PSError, match=r"server shard\(s\) \[1\] failed: connection to shard 1"):
         wait_all(t, [broken, ok], [1, 0], 0.05, "rank 1: step 3")
+
+
+def test_automatic_chunks_are_small_only_where_they_cross_on_the_direct_path():
+    from ray_ps_plugin._sync.client import SHARD_MAX_CONCURRENCY, auto_chunk_bytes
+
+    mb = 1 << 20
+    assert auto_chunk_bytes(23 * mb, 12 * mb, 2, relays=False, direct=False) == 16 * mb
+    assert auto_chunk_bytes(23 * mb, 12 * mb, 2, relays=False, direct=True) == mb
+    # A big model never needs more concurrent pushes per shard than a shard admits.
+    big = auto_chunk_bytes(8 << 30, 4 << 30, 8, relays=True, direct=True)
+    assert big > mb and 2 * 8 * (-(-(8 << 30) // big) + 8) <= SHARD_MAX_CONCURRENCY
