@@ -16,7 +16,9 @@ Variants (run in alternation within each round, so drifts hit them alike):
   (``data_path="object_store"``), the other data path measured.
 - ``ps_sync_noagg``: direct path, but every worker pushes for itself
   (``node_aggregation=False``).
-- ``ps_sync_node``: one shard per node (``server_placement="node"``).
+- ``ps_sync_node`` / ``ps_sync_worker``: one shard per node / per worker
+  (``server_placement``; the default, ``"auto"``, picks per node when a node has
+  several workers).
 - ``ps_sync_1mib`` / ``ps_sync_4mib`` / ``ps_sync_16mib``: fixed ``chunk_bytes``
   instead of the automatic choice (1 MiB across nodes on the direct path).
 - ``compute``: no synchronisation at all (the floor; not run by default).
@@ -79,6 +81,7 @@ VARIANTS: dict[str, tuple[dict[str, Any], str | None, bool]] = {
     "ps_sync_4mib": ({"strategy": "ps", "chunk_bytes": 4 << 20}, None, True),
     "ps_sync_16mib": ({"strategy": "ps", "chunk_bytes": 16 << 20}, None, True),
     "ps_sync_node": ({"strategy": "ps", "server_placement": "node"}, None, True),
+    "ps_sync_worker": ({"strategy": "ps", "server_placement": "worker"}, None, True),
     "compute": ({"strategy": "ddp"}, None, False),
 }
 DEFAULT_VARIANTS = "ddp,ddp_bf16,ps_sync,ps_sync_bf16"

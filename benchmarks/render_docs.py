@@ -439,6 +439,7 @@ NET_LABELS = {
     "ps_sync_noagg": "PS sync, `node_aggregation=False`",
     "ps_sync_node": 'PS sync, `server_placement="node"`',
     "ps_sync_16mib": "PS sync, `chunk_bytes=16 MiB`",
+    "ps_sync_worker": 'PS sync, `server_placement="worker"`',
     "compute": "compute only (no synchronisation)",
 }
 NET_BASES = {"ddp": "DDP", "ddp_bf16": "DDP + bf16 hook"}

@@ -30,7 +30,7 @@ Strategy = Literal["ddp", "ps"]
 Mode = Literal["sync", "async", "ssp"]
 NanPolicy = Literal["raise", "skip", "ignore"]
 Compression = Literal["bf16", "fp16"]
-ServerPlacement = Literal["worker", "node"]
+ServerPlacement = Literal["auto", "worker", "node"]
 DataPath = Literal["tcp", "object_store"]
 
 STRATEGIES: tuple[Strategy, ...] = get_args(Strategy)

@@ -98,9 +98,13 @@ class PSConfig(TorchConfig):
             node through shared memory (only a small control message per chunk goes
             through Ray), as BytePS does within a machine. Turn it off to force every
             byte of a node's own shards through the object store (e.g. to compare).
-        server_placement: ``"worker"`` (one shard per worker, in its bundle; or
-            ``num_servers`` shards round-robin over the workers) or ``"node"`` (one
-            shard per node, in the bundle of that node's lowest-rank worker).
+        server_placement: ``"auto"`` (the default): one shard per node when a sync
+            run spans several nodes and some node has several workers (its shard
+            relays the node's partial sums; measured faster than one shard per
+            worker there), otherwise one shard per worker. ``"worker"``: one shard
+            per worker, in its bundle (or ``num_servers`` shards round-robin over the
+            workers). ``"node"``: one shard per node, in the bundle of that node's
+            lowest-rank worker. ``num_servers`` set means ``"worker"`` placement.
         data_path: How sync-mode chunks cross between nodes: ``"tcp"`` (a direct
             TCP stream from the pusher to the shard, opened on the node's address
             when the run starts; the fast path) or ``"object_store"`` (as Ray
@@ -130,7 +134,7 @@ class PSConfig(TorchConfig):
     ps_start_timeout_s: float = 120.0
     nan_policy: NanPolicy = "raise"
     compression: Compression | None = None
-    server_placement: ServerPlacement = "worker"
+    server_placement: ServerPlacement = "auto"
     shared_memory: bool = True
     data_path: DataPath = "tcp"
     node_aggregation: bool = True
@@ -211,6 +215,18 @@ def _check_seconds(name: str, value: object) -> None:
         )
 
 
+def _per_node(worker_group: Any, cfg: PSConfig) -> bool:
+    """Whether the run gets one shard per node (see ``PSConfig.server_placement``)."""
+    if cfg.server_placement != "auto":
+        return cfg.server_placement == "node"
+    if cfg.num_servers is not None or cfg.mode != "sync":
+        return False
+    if cfg.data_path != "tcp" or not cfg.node_aggregation:
+        return False  # without relays, per-node shards would only concentrate the work
+    nodes = [p.node_id for p in worker_places(worker_group)]
+    return len(set(nodes)) > 1 and len(set(nodes)) < len(nodes)
+
+
 def shard_placements(worker_group: Any, num_servers: int | None, per_node: bool) -> list[Any]:
     """One scheduling strategy per shard: shard i goes where worker i % W lives.
 
@@ -284,7 +300,7 @@ class PSBackend(TorchBackend):
     def _start_servers(self, worker_group: Any, cfg: PSConfig) -> None:
         num_workers = len(worker_group)
         placements = shard_placements(
-            worker_group, cfg.num_servers, per_node=cfg.server_placement == "node"
+            worker_group, cfg.num_servers, per_node=_per_node(worker_group, cfg)
         )
         actor_cls: Any = ray.remote(self.shard_class(cfg))
         args = MODE_SPECS[cfg.mode].shard_args(cfg)

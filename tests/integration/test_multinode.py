@@ -41,10 +41,8 @@ def runs(ray_cluster, tmp_path_factory):
         "ps": _fit(storage, "ps", strategy="ps", chunk_bytes=4096),
         "store": _fit(storage, "store", strategy="ps", chunk_bytes=4096, data_path="object_store"),
         "ddp4": _fit(storage, "ddp4", steps=4, scaling=four, strategy="ddp"),
-        # One shard per node; each node's shard relays its two workers' chunks.
-        "per_node": _fit(
-            storage, "per_node", steps=4, scaling=four, server_placement="node", chunk_bytes=4096
-        ),
+        # server_placement="auto": one shard per node, which relays its two workers.
+        "per_node": _fit(storage, "per_node", steps=4, scaling=four, chunk_bytes=4096),
     }
 
 
@@ -62,7 +60,7 @@ def test_shards_of_the_workers_node_are_reached_through_shared_memory(runs):
     assert m["ps_shared_memory_shards"] == local
 
 
-def test_one_shard_per_node_when_asked(runs):
+def test_one_shard_per_node_when_nodes_have_several_workers(runs):
     m = runs["per_node"].metrics
     assert m["ps_num_servers"] == 2 and len(set(m["ps_server_nodes"])) == 2
     assert m["worker_node"] in m["ps_server_nodes"]

@@ -90,3 +90,27 @@ def test_compression_and_server_placement_are_validated():
         PSConfig(server_placement="rack")
     with pytest.raises(ValueError, match="cannot be combined with num_servers=2"):
         PSConfig(server_placement="node", num_servers=2)
+
+
+def test_auto_placement_is_one_shard_per_node_only_where_nodes_relay():
+    from types import SimpleNamespace
+
+    from ray_ps_plugin.config import _per_node
+
+    def group(*nodes):
+        workers = [SimpleNamespace(metadata=SimpleNamespace(node_id=n)) for n in nodes]
+        return SimpleNamespace(get_workers=lambda: workers)
+
+    two_by_two, two_by_one, one_node = group("a", "a", "b", "b"), group("a", "b"), group("a", "a")
+    assert PSConfig().server_placement == "auto"
+    assert _per_node(two_by_two, PSConfig())
+    assert not _per_node(two_by_one, PSConfig()) and not _per_node(one_node, PSConfig())
+    for cfg in (
+        PSConfig(num_servers=4),
+        PSConfig(mode="async"),
+        PSConfig(node_aggregation=False),
+        PSConfig(data_path="object_store"),
+        PSConfig(server_placement="worker"),
+    ):
+        assert not _per_node(two_by_two, cfg), cfg
+    assert _per_node(one_node, PSConfig(server_placement="node"))
