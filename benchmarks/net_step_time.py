@@ -233,7 +233,11 @@ def main() -> None:
         help="Ray Train storage path; on a real cluster one every node reaches "
         "(default: a local temp dir, enough for one machine)",
     )
-    p.add_argument("--out", default="benchmarks/results/net_step_time.json")
+    p.add_argument(
+        "--out",
+        default="benchmarks/results/net_step_time.json",
+        help="where the raw results go (docs/benchmarks.md renders net_2x1_1gbit.json etc.)",
+    )
     args = p.parse_args()
     # Ray Train waits for the controller's poll on every report (2 s by default); the
     # driver's value reaches the controller and the workers.

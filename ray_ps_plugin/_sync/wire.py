@@ -293,8 +293,8 @@ class RemoteError(RuntimeError):
     """The shard refused a push; carries the shard's message."""
 
 
-class WireClient:
-    """The pushing side, on the event loop it is used from.
+class _Pusher:
+    """What both pushing sides know: where the shards listen and the run's token.
 
     Args:
         addresses: ``(host, port)`` of each shard's data path, by shard index
@@ -312,6 +312,18 @@ class WireClient:
         self._addresses = list(addresses)
         self._token = token
         self._timeout_s = connect_timeout_s
+
+
+class WireClient(_Pusher):
+    """The pushing side, on the event loop it is used from (see :class:`_Pusher`)."""
+
+    def __init__(
+        self,
+        addresses: Sequence[tuple[str, int] | None],
+        token: bytes,
+        connect_timeout_s: float,
+    ) -> None:
+        super().__init__(addresses, token, connect_timeout_s)
         self._connections: dict[int, _Connection] = {}
         self._connecting: dict[int, asyncio.Future[_Connection]] = {}
         self.bytes_out = 0
@@ -497,17 +509,12 @@ class _Stream:
         self._fail(ConnectionError(f"connection to {self._where()} closed"))
 
 
-class WireStreams:
-    """A worker's pushes on the direct path, from any thread.
+class WireStreams(_Pusher):
+    """A worker's pushes on the direct path, from any thread (see :class:`_Pusher`).
 
     One connection per shard pushed to, opened on first use, each with a sender and
     a receiver thread (see :class:`_Stream`). Pushes return
     ``concurrent.futures.Future`` objects; the caller bounds its wait on them.
-
-    Args:
-        addresses: ``(host, port)`` of each shard's data path, by shard index.
-        token: The run's secret, sent first on every connection.
-        connect_timeout_s: Bound on opening one connection.
     """
 
     def __init__(
@@ -516,9 +523,7 @@ class WireStreams:
         token: bytes,
         connect_timeout_s: float,
     ) -> None:
-        self._addresses = list(addresses)
-        self._token = token
-        self._timeout_s = connect_timeout_s
+        super().__init__(addresses, token, connect_timeout_s)
         self._streams: dict[int, _Stream] = {}
 
     def push(
