@@ -303,14 +303,21 @@ class SumShard(ShardBase):
         self._bytes_out += slot.wire.nbytes
         return slot.wire
 
-    def _complete(self, model: int, slot: _Slot, key: int) -> None:
-        """Makes the finished sum readable by every worker, then releases them."""
+    def _share(self, model: int, slot: _Slot, key: int) -> None:
+        """Moves a finished slot's accumulator into the model's output segment.
+
+        Needed when the slot began before a worker attached (only possible in step 1):
+        workers of this node read the result there.
+        """
         state = self._models[model]
         if state.outputs and not slot.shared:
-            # The slot began before a worker attached (only possible in step 1).
             out = self._output_view(state, slot.step, key, slot.acc)
             np.copyto(out, slot.acc)
             slot.acc, slot.shared = out, True
+
+    def _complete(self, model: int, slot: _Slot, key: int) -> None:
+        """Makes the finished sum readable by every worker, then releases them."""
+        self._share(model, slot, key)
         if self._codec.active and slot.wired:
             # Some workers receive the sum on the wire: round it once, in place, so a
             # worker reading shared memory gets exactly the values they decode. (When
@@ -322,11 +329,7 @@ class SumShard(ShardBase):
     async def _relay(self, model: int, slot: _Slot, key: int, dtype: str) -> None:
         """Sends this node's partial sum to the owner; leaves the answer for every
         local waiter. A failure fails all of them with the same error."""
-        state = self._models[model]
-        if state.outputs and not slot.shared:
-            out = self._output_view(state, slot.step, key, slot.acc)
-            np.copyto(out, slot.acc)
-            slot.acc, slot.shared = out, True
+        self._share(model, slot, key)
         try:
             if self._wire_client is None or self._topology is None:
                 raise ShardProtocolError(
