@@ -26,7 +26,7 @@ from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
 from ray_ps_plugin._shard import ShardBase
 from ray_ps_plugin._shm import Segment, SegmentHandle
 from ray_ps_plugin._sync.topology import Topology
-from ray_ps_plugin._sync.wire import Frame, WireClient, WireServer
+from ray_ps_plugin._sync.wire import Frame, WireServer, WireStreams
 from ray_ps_plugin._types import Compression
 
 __all__ = ["SumShard"]
@@ -87,7 +87,7 @@ class SumShard(ShardBase):
         self._own_sources = frozenset(range(num_workers))
         self._relayed: frozenset[int] = frozenset()
         self._wire_server: WireServer | None = None
-        self._wire_client: WireClient | None = None
+        self._relay_streams: WireStreams | None = None
 
     async def open_wire(self, token: bytes, host: str | None = None) -> tuple[str, int]:
         """Starts listening for pushes on the direct data path; returns its address.
@@ -117,7 +117,7 @@ class SumShard(ShardBase):
         self._own_sources = topology.sources(self.shard_index)
         self._relayed = topology.relayed_ranks(self.shard_index)
         if self._relayed and topology.addresses:
-            self._wire_client = WireClient(topology.addresses, topology.token, self.timeout_s)
+            self._relay_streams = WireStreams(topology.addresses, topology.token, self.timeout_s)
 
     def _describe(self, source: int) -> str:
         if self._topology is None:
@@ -331,13 +331,13 @@ class SumShard(ShardBase):
         local waiter. A failure fails all of them with the same error."""
         self._share(model, slot, key)
         try:
-            if self._wire_client is None or self._topology is None:
+            if self._relay_streams is None or self._topology is None:
                 raise ShardProtocolError(
                     f"shard {self.shard_index} got chunks to relay to shard {slot.owner} "
                     "but has no direct data path to it."
                 )
-            push = asyncio.ensure_future(
-                self._wire_client.push(
+            push = asyncio.wrap_future(
+                self._relay_streams.push(
                     slot.owner,
                     model,
                     slot.step,

@@ -7,9 +7,9 @@ chunk is one frame on a long-lived TCP connection from the pusher (a worker, or 
 node's relay shard) to the owner shard: a fixed header, then the chunk's bytes,
 sent straight from the gradient buffer (``sendall`` on a memoryview) and received
 straight into a fresh array (``recv_into``). The answer — the sum — comes back the
-same way on the same connection. Shards run both ends in their event loop
-(:class:`WireServer`, :class:`WireClient`); workers use blocking sockets on threads
-of their own (:class:`WireStreams`), which hold no GIL while bytes move.
+same way on the same connection. Shards listen in their event loop
+(:class:`WireServer`); pushers — workers, and relay shards — use blocking sockets on
+threads of their own (:class:`WireStreams`), which hold no GIL while bytes move.
 
 Ray still starts, places and supervises every process: the shard opens its
 listening socket on its node's address when the backend asks
@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["DTYPES", "Frame", "RemoteError", "WireClient", "WireServer", "WireStreams"]
+__all__ = ["DTYPES", "Frame", "RemoteError", "WireServer", "WireStreams"]
 
 logger = logging.getLogger(__name__)
 
@@ -162,8 +162,6 @@ class WireServer:
         self._token = token
         self._listener: socket.socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self.bytes_in = 0
-        self.bytes_out = 0
 
     async def start(self, host: str) -> tuple[str, int]:
         """Listens on ``host`` (the node's address) on a free port; returns both."""
@@ -202,7 +200,6 @@ class WireServer:
                 frame, payload = await _recv_frame(conn)
                 if frame.kind != PUSH:
                     raise ConnectionError(f"expected a push, got frame kind {frame.kind}")
-                self.bytes_in += frame.nbytes
                 self._spawn(self._answer(conn, lock, frame, payload))
         except (ConnectionError, OSError, asyncio.TimeoutError):
             pass  # the pusher went away; its waits end on its side
@@ -223,7 +220,6 @@ class WireServer:
         with contextlib.suppress(ConnectionError, OSError):
             async with lock:
                 await _send_frame(conn, answer, reply)
-                self.bytes_out += nbytes
 
     def close(self) -> None:
         for task in list(self._tasks):
@@ -233,166 +229,8 @@ class WireServer:
             self._listener = None
 
 
-class _Connection:
-    """One pusher's connection to one shard: sends pushes, matches answers."""
-
-    def __init__(self, shard: int, address: tuple[str, int], sock: socket.socket) -> None:
-        self.shard = shard
-        self.address = address
-        self.sock = sock
-        self.lock = asyncio.Lock()
-        self.waiting: dict[tuple[int, int, int], asyncio.Future[np.ndarray]] = {}
-        self.error: BaseException | None = None
-        self.reader = asyncio.ensure_future(self._read())
-
-    def _where(self) -> str:
-        return f"shard {self.shard} at {self.address[0]}:{self.address[1]}"
-
-    async def _read(self) -> None:
-        try:
-            while True:
-                frame, payload = await _recv_frame(self.sock)
-                fut = self.waiting.pop((frame.model, frame.step, frame.key), None)
-                if fut is None or fut.done():
-                    continue  # the pusher gave up on it
-                if frame.kind == ERROR:
-                    fut.set_exception(RemoteError(payload.tobytes().decode(errors="replace")))
-                else:
-                    fut.set_result(payload)
-        except (ConnectionError, OSError) as e:
-            self._fail(ConnectionError(f"connection to {self._where()} lost: {e}"))
-        except asyncio.CancelledError:
-            self._fail(ConnectionError(f"connection to {self._where()} closed"))
-            raise
-
-    def _fail(self, error: BaseException) -> None:
-        self.error = error
-        waiting, self.waiting = self.waiting, {}
-        for fut in waiting.values():
-            if not fut.done():
-                fut.set_exception(error)
-
-    async def push(self, frame: Frame, payload: np.ndarray) -> np.ndarray:
-        if self.error is not None:
-            raise self.error
-        fut: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
-        self.waiting[(frame.model, frame.step, frame.key)] = fut
-        try:
-            async with self.lock:
-                await _send_frame(self.sock, frame, payload)
-        except (ConnectionError, OSError) as e:
-            self._fail(ConnectionError(f"sending to {self._where()} failed: {e}"))
-        return await fut
-
-    def close(self) -> None:
-        self.reader.cancel()
-        self.sock.close()
-
-
 class RemoteError(RuntimeError):
     """The shard refused a push; carries the shard's message."""
-
-
-class _Pusher:
-    """What both pushing sides know: where the shards listen and the run's token.
-
-    Args:
-        addresses: ``(host, port)`` of each shard's data path, by shard index
-            (``None`` for shards without one).
-        token: The run's secret, sent first on every connection.
-        connect_timeout_s: Bound on opening one connection.
-    """
-
-    def __init__(
-        self,
-        addresses: Sequence[tuple[str, int] | None],
-        token: bytes,
-        connect_timeout_s: float,
-    ) -> None:
-        self._addresses = list(addresses)
-        self._token = token
-        self._timeout_s = connect_timeout_s
-
-
-class WireClient(_Pusher):
-    """The pushing side, on the event loop it is used from (see :class:`_Pusher`)."""
-
-    def __init__(
-        self,
-        addresses: Sequence[tuple[str, int] | None],
-        token: bytes,
-        connect_timeout_s: float,
-    ) -> None:
-        super().__init__(addresses, token, connect_timeout_s)
-        self._connections: dict[int, _Connection] = {}
-        self._connecting: dict[int, asyncio.Future[_Connection]] = {}
-        self.bytes_out = 0
-        self.bytes_in = 0
-
-    async def _connection(self, shard: int) -> _Connection:
-        conn = self._connections.get(shard)
-        if conn is not None and conn.error is None:
-            return conn
-        pending = self._connecting.get(shard)
-        if pending is None:
-            pending = asyncio.ensure_future(self._connect(shard))
-            self._connecting[shard] = pending
-        try:
-            return await asyncio.shield(pending)
-        finally:
-            if pending.done():
-                self._connecting.pop(shard, None)
-
-    async def _connect(self, shard: int) -> _Connection:
-        address = self._addresses[shard]
-        if address is None:
-            raise ConnectionError(f"shard {shard} has no direct data path")
-        loop = asyncio.get_running_loop()
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        _tune(sock)
-        try:
-            await asyncio.wait_for(loop.sock_connect(sock, address), self._timeout_s)
-            await loop.sock_sendall(sock, self._token)
-        except (OSError, asyncio.TimeoutError) as e:
-            sock.close()
-            raise ConnectionError(
-                f"cannot reach shard {shard} at {address[0]}:{address[1]} "
-                f"within {self._timeout_s:g}s: {e or 'timed out'}"
-            ) from None
-        conn = _Connection(shard, address, sock)
-        old = self._connections.pop(shard, None)
-        if old is not None:
-            old.close()
-        self._connections[shard] = conn
-        return conn
-
-    async def push(
-        self,
-        shard: int,
-        model: int,
-        step: int,
-        key: int,
-        source: int,
-        dtype: str,
-        payload: np.ndarray,
-    ) -> np.ndarray:
-        """Sends one chunk to ``shard``; returns the answer's bytes (``uint8``).
-
-        Raises:
-            ConnectionError: The connection could not be opened or broke.
-            RemoteError: The shard refused the push.
-        """
-        conn = await self._connection(shard)
-        frame = Frame(PUSH, dtype, model, step, key, source, payload.nbytes)
-        self.bytes_out += payload.nbytes
-        answer = await conn.push(frame, payload)
-        self.bytes_in += answer.nbytes
-        return answer
-
-    def close(self) -> None:
-        connections, self._connections = self._connections, {}
-        for conn in connections.values():
-            conn.close()
 
 
 def _recv_exact_blocking(sock: socket.socket, buf: memoryview) -> None:
@@ -509,12 +347,19 @@ class _Stream:
         self._fail(ConnectionError(f"connection to {self._where()} closed"))
 
 
-class WireStreams(_Pusher):
-    """A worker's pushes on the direct path, from any thread (see :class:`_Pusher`).
+class WireStreams:
+    """Pushes on the direct path, from any thread: a worker's, or a relay shard's.
 
     One connection per shard pushed to, opened on first use, each with a sender and
     a receiver thread (see :class:`_Stream`). Pushes return
-    ``concurrent.futures.Future`` objects; the caller bounds its wait on them.
+    ``concurrent.futures.Future`` objects; the caller bounds its wait on them (a
+    shard's event loop through ``asyncio.wrap_future``).
+
+    Args:
+        addresses: ``(host, port)`` of each shard's data path, by shard index
+            (``None`` for shards without one).
+        token: The run's secret, sent first on every connection.
+        connect_timeout_s: Bound on opening one connection.
     """
 
     def __init__(
@@ -523,7 +368,9 @@ class WireStreams(_Pusher):
         token: bytes,
         connect_timeout_s: float,
     ) -> None:
-        super().__init__(addresses, token, connect_timeout_s)
+        self._addresses = list(addresses)
+        self._token = token
+        self._timeout_s = connect_timeout_s
         self._streams: dict[int, _Stream] = {}
 
     def push(

@@ -82,7 +82,7 @@ def test_relayed_sums_equal_the_sum_over_all_workers(compression):
         stats = [s.stats() for s in shards]
         for s in shards:
             s._wire_server.close()
-            s._wire_client.close()
+            s._relay_streams.close()
         return outs, stats
 
     outs, stats = asyncio.run(main())
