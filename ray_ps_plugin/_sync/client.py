@@ -166,9 +166,7 @@ class SumClient(ClientBase):
             # same answer on every worker, so every worker cuts the stream alike.
             direct = topology is not None and bool(topology.addresses)
             share = -(-total // setup.num_shards) + 1
-            relays = topology is not None and any(
-                topology.relay_of(n) is not None for n in set(topology.worker_nodes)
-            )
+            relays = topology is not None and topology.has_relays
             chunk_bytes = auto_chunk_bytes(total, share, setup.world_size, relays, direct)
         layout = StreamLayout(total, setup.num_shards, chunk_bytes)
         check_concurrency(layout, setup.world_size, relays=relay is not None)

@@ -77,6 +77,11 @@ class Topology:
     def num_workers(self) -> int:
         return len(self.worker_nodes)
 
+    @property
+    def has_relays(self) -> bool:
+        """Whether any node of the run relays."""
+        return bool(self._relays)
+
     def relay_of(self, node: int) -> int | None:
         """The shard relaying for ``node``'s workers, if the node has one."""
         return self._relays.get(node)

@@ -29,6 +29,7 @@ def test_relays_are_the_first_shard_of_nodes_with_several_workers():
     assert t.sources(2) == {2, 3, 4 + 0}
     assert t.relayed_ranks(0) == {0, 1} and t.relayed_ranks(1) == set()
     assert t.describe(5) == "the relay of node 1"
+    assert t.has_relays
 
 
 def test_one_worker_per_node_or_no_aggregation_pushes_directly():
@@ -36,7 +37,7 @@ def test_one_worker_per_node_or_no_aggregation_pushes_directly():
         Topology(worker_nodes=(0, 1), shard_nodes=(0, 1)),
         Topology(worker_nodes=(0, 0, 1, 1), shard_nodes=(0, 0, 1, 1), aggregate=False),
     ):
-        assert t.relay_of(0) is None
+        assert t.relay_of(0) is None and not t.has_relays
         assert t.route(0, t.num_workers - 1) == Route(t.num_workers - 1, direct=True)
         assert t.sources(0) == frozenset(range(t.num_workers))
     # A node without a shard cannot relay: its workers push directly.
