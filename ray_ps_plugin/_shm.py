@@ -41,6 +41,12 @@ def available() -> bool:
     return sys.platform.startswith("linux") and hasattr(os, "memfd_create")
 
 
+def _mapped(nbytes: int) -> int:
+    """Bytes actually mapped for a segment of ``nbytes``: mmap refuses 0, and an
+    empty slice (a shard with nothing of a tiny model) is still a segment."""
+    return max(1, nbytes)
+
+
 @dataclass(frozen=True)
 class SegmentHandle:
     """What another process of the node needs to map a segment.
@@ -80,13 +86,13 @@ class Segment:
         Raises:
             OSError: If the host cannot create one (callers fall back).
         """
-        nbytes = max(1, int(nbytes))
+        nbytes = int(nbytes)
         fd = os.memfd_create("ray_ps_plugin", os.MFD_CLOEXEC)
         try:
             # Reserve the pages now: a tmpfs that runs out of memory later would
             # kill the process with SIGBUS on a write; here it fails with OSError.
-            os.posix_fallocate(fd, 0, nbytes)
-            mm = mmap.mmap(fd, nbytes)
+            os.posix_fallocate(fd, 0, _mapped(nbytes))
+            mm = mmap.mmap(fd, _mapped(nbytes))
         except BaseException:
             os.close(fd)
             raise
@@ -107,9 +113,9 @@ class Segment:
             st = os.fstat(fd)
             if (st.st_dev, st.st_ino) != (handle.dev, handle.ino):
                 raise OSError(f"segment {handle} is not the file found there; stale handle?")
-            if st.st_size != handle.nbytes:
+            if st.st_size != _mapped(handle.nbytes):
                 raise OSError(f"segment {handle} has the wrong size; stale handle?")
-            mm = mmap.mmap(fd, handle.nbytes)
+            mm = mmap.mmap(fd, _mapped(handle.nbytes))
         finally:
             os.close(fd)  # the mapping keeps the memory alive
         return cls(mm, handle, None)

@@ -277,3 +277,37 @@ def test_unfreezing_a_parameter_after_prepare_is_refused(loop):
     model[0].weight.requires_grad_(True)
     with pytest.raises(ValueError, match=r"\['0.weight'\] changed requires_grad after prepare"):
         client.before_step()
+
+
+def test_a_model_smaller_than_the_shard_count_trains_through_shared_memory(loop):
+    """Ray's linear example (Linear(1, 1): 2 values) on 4 shards: two shards own an
+    empty slice, whose segments are empty, and ssp(0) still does DDP's maths."""
+    world, steps, lr = 2, 3, 0.1
+    torch.manual_seed(0)
+    template = torch.nn.Linear(1, 1)
+    models = [torch.nn.Linear(1, 1) for _ in range(world)]
+    for m in models:
+        m.load_state_dict(template.state_dict())
+    _, _, models, clients = _setup(loop, world, shards=4, staleness=0, shared=True, models=models)
+    assert all(c.shared_memory_shards == (0, 1, 2, 3) for c in clients)
+    opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in models]
+    data = [[(torch.randn(4, 1), torch.randn(4, 1)) for _ in range(world)] for _ in range(steps)]
+
+    def run(rank):
+        for step in range(steps):
+            _sgd_step(models[rank], opts[rank], clients[rank], *data[step][rank])
+        clients[rank].sync()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    ref_opt = torch.optim.SGD(template.parameters(), lr=lr)
+    for step in range(steps):
+        ref_opt.zero_grad()
+        for x, y in data[step]:
+            (torch.nn.functional.mse_loss(template(x), y) / world).backward()
+        ref_opt.step()
+    for m in models:
+        torch.testing.assert_close(_flat(m), _flat(template), atol=1e-6, rtol=0)

@@ -60,3 +60,18 @@ def test_a_handle_naming_another_file_is_refused():
     with pytest.raises(OSError, match="not the file found there"):
         Segment.open(forged)
     seg.close()
+
+
+def test_an_empty_segment_is_a_segment_of_zero_bytes():
+    """A shard's slice of a model smaller than the shard count is empty: its segment
+    must still open, report 0 bytes (so size checks stay exact) and hold nothing."""
+    seg = Segment.create(0)
+    other = Segment.open(seg.handle)
+    try:
+        assert seg.handle.nbytes == other.handle.nbytes == 0
+        assert other.view(0, np.float32, 0).size == 0
+        with pytest.raises(ValueError, match="outside"):
+            other.view(0, np.uint8, 1)
+    finally:
+        other.close()
+        seg.close()
