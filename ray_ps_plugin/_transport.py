@@ -93,6 +93,8 @@ class RayTransport:
             h.done() for h in handles if isinstance(h, concurrent.futures.Future)
         ):
             return False
+        if not refs:
+            return True  # only direct-path pushes: no Ray call to make
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
         return len(ready) == len(refs)
 
