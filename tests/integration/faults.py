@@ -110,7 +110,7 @@ def resumable_loop(config: dict[str, Any]) -> None:
         steps_run += 1
         if preempted_at is not None:  # a step after the preemption checkpoint
             Path(config["marker_dir"], f"steps_after_preempt_{rank}_{step}").touch()
-        preempted = config.get("preemption") and _preemption_checkpoint(config, rank)
+        preempted = config.get("preemption") and _preemption_checkpoint(config, rank, step)
         if preempted or (step + 1) % config["every"] == 0 or step + 1 == config["steps"]:
             ctx = get_ps_context()
             metrics = {"step": step + 1, "steps_run": steps_run, "start": start}
@@ -132,18 +132,34 @@ def resumable_loop(config: dict[str, Any]) -> None:
             _after_preemption_checkpoint(config, rank, preempted_at)
 
 
-def _preemption_checkpoint(config: dict[str, Any], rank: int) -> bool:
+def _preemption_checkpoint(config: dict[str, Any], rank: int, step: int) -> bool:
     """Whether a preemption was just announced: checkpoint now (once per run).
 
-    Every worker calls ``get_preemption_info()`` once per step (it is a barrier).
-    Rank 1 tells the test driver where it runs when it reaches ``preempt_step``, so
-    the driver drains that node with the preemption reason.
+    Every worker calls ``get_preemption_info()`` once per step (it is a barrier that
+    hands all ranks rank 0's value). Rank 1 tells the test driver where it runs on
+    the first step, so the driver drains that node with the preemption reason.
+
+    Ray Train learns of a drain by polling every 5 s, and a loaded machine runs the
+    whole loop faster than that; so at ``preempt_step`` the workers keep asking
+    until the notice is there. The bound is a count of calls, not a clock: every
+    rank sees the same answers, so all leave the loop at the same call.
     """
     if rank == 1 and not Path(config["marker_dir"], "node_to_drain").exists():
         node = ray.get_runtime_context().get_node_id()
         Path(config["marker_dir"], "node_to_drain").write_text(node)
     info = ray.train.get_preemption_info()
+    if step == config["preempt_step"] and not Path(config["marker_dir"], "preempt_seen_0").exists():
+        for _ in range(_PREEMPTION_POLLS):
+            if info is not None:
+                break
+            time.sleep(0.5)
+            info = ray.train.get_preemption_info()
+        else:
+            raise RuntimeError(f"no preemption notice within {_PREEMPTION_POLLS} polls")
     return info is not None and _once(config, f"preempt_seen_{rank}")
+
+
+_PREEMPTION_POLLS = 240  # 0.5 s apart: two minutes for the drain to reach Ray Train
 
 
 def _after_preemption_checkpoint(config: dict[str, Any], rank: int, step: int) -> None:

@@ -227,7 +227,7 @@ def test_preemption_checkpoints_the_shards_and_resumes_losing_at_most_one_step(
         result = PSTrainer(
             faults.resumable_loop,
             train_loop_config={"steps": STEPS, "every": 10, "marker_dir": str(marker_dir),
-                               "preemption": True},
+                               "preemption": True, "preempt_step": 3},
             ps_config=PSConfig(mode="async", ps_timeout_s=20),
             scaling_config=SLOT_SCALING,
             run_config=RunConfig(
