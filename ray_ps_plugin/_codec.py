@@ -8,26 +8,31 @@ wire, never in the state.
 
 NumPy has no bfloat16, so bf16 travels as the raw 16-bit patterns in an ``int16``
 array (Ray ships NumPy arrays zero-copy) and is reinterpreted with torch.
+
+torch is imported only where values are converted: a sync shard without
+compression never converts, and importing torch would take most of its start-up.
 """
 
+from __future__ import annotations
+
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from ray_ps_plugin._types import Compression
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = ["Codec"]
 
-_WIRE: dict[Compression | None, torch.dtype] = {
-    None: torch.float32,
-    "fp16": torch.float16,
-    "bf16": torch.bfloat16,
-}
+_WIRE: dict[Compression | None, str] = {None: "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
 def _as_torch(arr: np.ndarray) -> torch.Tensor:
+    import torch
+
     with warnings.catch_warnings():
         # Arrays from Ray's object store are read-only; they are only read here.
         warnings.simplefilter("ignore", UserWarning)
@@ -45,7 +50,13 @@ class Codec:
         if compression not in _WIRE:
             raise ValueError(f"unknown compression {compression!r}")
         self.compression = compression
-        self.wire_dtype = _WIRE[compression]
+
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        """The torch dtype of values on the wire."""
+        import torch
+
+        return getattr(torch, _WIRE[self.compression])
 
     @property
     def active(self) -> bool:
@@ -62,15 +73,20 @@ class Codec:
         t = t.detach()
         if not self.active:
             return t.cpu().numpy()
+        import torch
+
         wire = t.to(device="cpu", dtype=self.wire_dtype)
         return wire.view(torch.int16).numpy() if self.compression == "bf16" else wire.numpy()
 
-    def decode(self, arr: np.ndarray, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The values of a wire array as ``dtype`` (the array itself when uncompressed)."""
+    def decode(self, arr: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The values of a wire array as ``dtype`` (fp32 by default; the array itself
+        when uncompressed)."""
+        import torch
+
         t = _as_torch(arr)
         if self.compression == "bf16":
             t = t.view(torch.bfloat16)
-        return t.to(dtype) if self.active else t
+        return t.to(dtype or torch.float32) if self.active else t
 
     def encode_np(self, values: np.ndarray) -> np.ndarray:
         """Shard side: a fresh wire array of fp32 ``values`` (a copy when uncompressed)."""
@@ -83,6 +99,8 @@ class Codec:
         uncompressed)."""
         if not self.active:
             return arr
+        import torch
+
         return self.decode(arr, getattr(torch, dtype)).numpy()
 
     def __reduce__(self) -> tuple[Any, ...]:
