@@ -19,7 +19,8 @@ Variants (run in alternation within each round, so drifts hit them alike):
 - ``ps_sync_node`` / ``ps_sync_worker``: one shard per node / per worker
   (``server_placement``; the default, ``"auto"``, picks per node when a node has
   several workers).
-- ``ps_sync_1mib`` / ``ps_sync_4mib`` / ``ps_sync_16mib``: fixed ``chunk_bytes``
+- ``ps_sync_256kib`` / ``ps_sync_512kib`` / ``ps_sync_1mib`` / ``ps_sync_4mib`` /
+  ``ps_sync_16mib``: fixed ``chunk_bytes``
   instead of the automatic choice (1 MiB across nodes on the direct path).
 - ``compute``: no synchronisation at all (the floor; not run by default).
 
@@ -77,6 +78,8 @@ VARIANTS: dict[str, tuple[dict[str, Any], str | None, bool]] = {
         True,
     ),
     "ps_sync_noagg": ({"strategy": "ps", "node_aggregation": False}, None, True),
+    "ps_sync_256kib": ({"strategy": "ps", "chunk_bytes": 1 << 18}, None, True),
+    "ps_sync_512kib": ({"strategy": "ps", "chunk_bytes": 1 << 19}, None, True),
     "ps_sync_1mib": ({"strategy": "ps", "chunk_bytes": 1 << 20}, None, True),
     "ps_sync_4mib": ({"strategy": "ps", "chunk_bytes": 4 << 20}, None, True),
     "ps_sync_16mib": ({"strategy": "ps", "chunk_bytes": 16 << 20}, None, True),
