@@ -7,6 +7,10 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
 # Ray Train polls Ray for node drains (preemption notices) every 5 s by default.
 os.environ.setdefault("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "0.5")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# Ray Train waits up to 30 s by default for the workers to destroy their torch
+# process group at shutdown, all of it when a worker hangs or is cut off; a healthy
+# worker takes milliseconds. (The raylets this session starts inherit these.)
+os.environ.setdefault("TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S", "5")
 
 import pytest  # noqa: E402
 import ray  # noqa: E402
