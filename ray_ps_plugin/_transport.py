@@ -88,10 +88,12 @@ class RayTransport:
     def done(self, handles: Sequence[Any]) -> bool:
         import ray
 
-        refs = [h for h in handles if not isinstance(h, concurrent.futures.Future)]
-        if len(refs) < len(handles) and not all(
-            h.done() for h in handles if isinstance(h, concurrent.futures.Future)
-        ):
+        # One call may stand for several chunks (a batched push_local): ray.wait
+        # refuses a list with repeats.
+        refs = list(
+            dict.fromkeys(h for h in handles if not isinstance(h, concurrent.futures.Future))
+        )
+        if any(isinstance(h, concurrent.futures.Future) and not h.done() for h in handles):
             return False
         if not refs:
             return True  # only direct-path pushes: no Ray call to make
@@ -102,15 +104,17 @@ class RayTransport:
         import ray
 
         deadline = time.monotonic() + timeout_s
-        refs = [h for h in handles if not isinstance(h, concurrent.futures.Future)]
+        refs = list(
+            dict.fromkeys(h for h in handles if not isinstance(h, concurrent.futures.Future))
+        )
         try:
-            got = iter(ray.get(refs, timeout=timeout_s) if refs else [])
+            got = dict(zip(refs, ray.get(refs, timeout=timeout_s))) if refs else {}
         except ray.exceptions.GetTimeoutError as e:
             raise WaitTimeout(str(e)) from e
         out = []
         for h in handles:
             if not isinstance(h, concurrent.futures.Future):
-                out.append(next(got))
+                out.append(got[h])
                 continue
             try:
                 out.append(h.result(timeout=max(0.0, deadline - time.monotonic())))

@@ -230,59 +230,62 @@ class SumClient(ClientBase):
         if buf.is_cuda:
             buf.div_(self.world_size)
             staged = buf.cpu() if len(remote) < len(pieces) else None
-        else:
+        elif self._codec.active:
             for p in remote:
                 buf[p.start : p.stop].div_(self.world_size)
-        # Compression encodes a 16-bit host copy for the object store only: shared
-        # memory carries full precision, since no network is involved.
+        # Compression encodes a 16-bit host copy for the network only: shared memory
+        # carries full precision, since no network is involved. Uncompressed CPU
+        # chunks are divided one by one just before each is sent (below), so the
+        # first bytes leave while later chunks are still being divided.
         host = self._codec.encode(buf) if remote else None
-        handles = []
-        for p, route in zip(pieces, routes):
-            lane = self._lanes.get(route.target)
-            # The owner rides along only to a relay (the shard itself is the default).
-            relayed = () if route.target == p.shard else (p.shard,)
-            if lane is None:
+        divide_each = not buf.is_cuda and not self._codec.active
+        handles: list[Any] = [None] * len(pieces)
+        # Chunks for other nodes first: their pushes only enter a queue, and the
+        # network is the slow part. Then one Ray call per shard of this node for all
+        # of the bucket's chunks it gets through shared memory.
+        local: dict[int, list[int]] = {}
+        for i, (p, route) in enumerate(zip(pieces, routes)):
+            if route.target in self._lanes:
+                local.setdefault(route.target, []).append(i)
+            else:
                 assert host is not None
+                # The owner rides along only to a relay (the shard itself by default).
+                relayed = () if route.target == p.shard else (p.shard,)
+                if divide_each:
+                    buf[p.start : p.stop].div_(self.world_size)
                 chunk = host[p.start : p.stop]
                 if route.direct and self._wire is not None:
-                    handles.append(
-                        self._wire.push(
-                            route.target, self.model_id, step, p.key, self.rank, dtype, chunk
-                        )
+                    handles[i] = self._wire.push(
+                        route.target, self.model_id, step, p.key, self.rank, dtype, chunk
                     )
                     continue
-                handles.append(
-                    self._transport.call(
-                        route.target,
-                        "push_pull",
-                        self.model_id,
-                        step,
-                        p.key,
-                        self.rank,
-                        chunk,
-                        dtype,
-                        *relayed,
-                    )
-                )
-                continue
-            dst = torch.from_numpy(lane.inputs.view(p.key - lane.lo, dtype, p.numel))
-            if staged is None:
-                torch.div(buf[p.start : p.stop], self.world_size, out=dst)
-            else:
-                dst.copy_(staged[p.start : p.stop])
-            handles.append(
-                self._transport.call(
+                handles[i] = self._transport.call(
                     route.target,
-                    "push_local",
+                    "push_pull",
                     self.model_id,
                     step,
                     p.key,
                     self.rank,
+                    chunk,
                     dtype,
-                    p.numel,
                     *relayed,
                 )
+        for target, indices in local.items():
+            lane = self._lanes[target]
+            chunks = []
+            for i in indices:
+                p = pieces[i]
+                dst = torch.from_numpy(lane.inputs.view(p.key - lane.lo, dtype, p.numel))
+                if staged is None:
+                    torch.div(buf[p.start : p.stop], self.world_size, out=dst)
+                else:
+                    dst.copy_(staged[p.start : p.stop])
+                chunks.append((p.key, p.numel, None if target == p.shard else p.shard))
+            call = self._transport.call(
+                target, "push_local", self.model_id, step, self.rank, dtype, chunks
             )
+            for i in indices:
+                handles[i] = call  # one reply for all of them
         with self._lock:
             for p, route in zip(pieces, routes):
                 wired = route.target not in self._lanes
@@ -290,7 +293,8 @@ class SumClient(ClientBase):
                     host.itemsize if wired and host is not None else buf.element_size()
                 )
                 self._count_push(route.target, nbytes)
-            self._stats.pushes += len(pieces)
+            # Messages: one per chunk sent elsewhere, one per shard of this node.
+            self._stats.pushes += len(pieces) - sum(map(len, local.values())) + len(local)
         self._queue.put(_Pending(step, buf, pieces, handles, fut, time.perf_counter()))
         return fut
 

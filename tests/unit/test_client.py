@@ -88,8 +88,43 @@ def test_buckets_come_back_as_the_mean_over_workers(loop, local):
     stats = clients[0].snapshot()
     assert stats.steps == 1 and stats.bytes_pushed == total and stats.bytes_pulled == total
     assert abs(stats.bytes_pushed_per_shard[0] - stats.bytes_pushed_per_shard[1]) <= 2048
-    assert all(c[-1] * 4 <= 2048 if c[0] == "push_local" else c[-2] * 4 <= 2048
-               for c in transport.pushes())
+    # Every chunk within chunk_bytes: (key, numel, owner) of each chunk of a local
+    # push, the chunk's element count for a push_pull (its array's size).
+    sizes = [n for c in transport.pushes() for n in
+             ([numel for _, numel, _ in c[-1]] if c[0] == "push_local" else [c[-2]])]
+    assert sizes and all(n * 4 <= 2048 for n in sizes)
+    for c in clients:
+        c.close()
+
+
+def test_a_bucket_reaches_each_shard_of_its_node_in_one_call(loop):
+    """Small chunks (as on the direct path between nodes) must not cost one Ray call
+    each where they go through shared memory: one push_local per (bucket, shard)
+    names all of the bucket's chunks for that shard."""
+    world, numels = 2, [3000, 500]
+    clients, transport = _clients(
+        loop, world, num_servers=2, total_bytes=sum(numels) * 4, chunk_bytes=1024,
+        local=lambda r, s: True,
+    )
+    grads = [[torch.full((n,), float(r + 1)) for n in numels] for r in range(world)]
+
+    def worker(rank):
+        futs = [clients[rank].hook(None, FakeBucket(i, g.clone()))
+                for i, g in enumerate(grads[rank])]
+        return [f.wait() for f in futs]
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    calls = [c for c in transport.pushes() if c[0] == "push_local"]
+    # (method, shard, model, step, rank, dtype, chunks); bucket 0 spans both shards.
+    per_rank_shard = {(c[4], c[1]) for c in calls}
+    assert len(calls) <= world * len(numels) * 2 and len(per_rank_shard) == world * 2
+    assert max(len(c[-1]) for c in calls) >= 5  # bucket 0: 12000 bytes in 1 KiB chunks
+    chunks = sum(len(c[-1]) for c in calls)
+    assert clients[0].snapshot().pushes < chunks / world
     for c in clients:
         c.close()
 

@@ -111,7 +111,7 @@ def test_compressed_pushes_sum_in_the_models_dtype(dtype):
         outs = [Segment.open(h) for h in s.attach(0, 0, inputs.handle, 0, 4 * itemsize)]
         inputs.view(0, dtype, 4)[:] = 1.5
         wire = Codec("bf16").encode(__import__("torch").full((4,), 2.5, dtype=getattr(__import__("torch"), dtype)))
-        local = asyncio.ensure_future(s.push_local(0, 1, 0, 0, dtype, 4))
+        local = asyncio.ensure_future(s.push_local(0, 1, 0, dtype, [(0, 4, None)]))
         remote = await s.push_pull(0, 1, 0, 1, wire, dtype)
         await local
         return outs[1].view(0, dtype, 4).copy(), Codec("bf16").decode(remote).numpy()
@@ -124,7 +124,7 @@ def test_compressed_pushes_sum_in_the_models_dtype(dtype):
 def test_bad_dtype_and_rank_are_refused():
     async def main(dtype, rank):
         s = SumShard(0, num_workers=2, timeout_s=5)
-        await s.push_local(0, 1, 0, rank, dtype, 4)
+        await s.push_local(0, 1, rank, dtype, [(0, 4, None)])
 
     with pytest.raises(ShardProtocolError, match="dtype 'int64'"):
         _run(main("int64", 0))
