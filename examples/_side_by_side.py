@@ -38,17 +38,16 @@ def parse_args(doc: str | None, steps: int, lr: float) -> argparse.Namespace:
     return parser.parse_args()
 
 
-def servers_up_to_date() -> Any:
+def servers_up_to_date() -> None:
     """Under a PS strategy, waits until every worker's last update is on the servers.
 
     Call it after training and before reading the model: in async/ssp the final
-    parameters are the servers'. Returns the PS context (``None`` under DDP).
+    parameters are the servers'.
     """
     ctx = get_ps_context()
     if ctx is not None:
         ctx.flush()
         ray.train.collective.barrier()
-    return ctx
 
 
 def report(

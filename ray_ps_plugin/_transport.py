@@ -57,6 +57,12 @@ class Transport(Protocol):
         ...
 
 
+def _ray_refs(handles: Sequence[Any]) -> list[Any]:
+    """The Ray calls among ``handles``, each once: one call may stand for several
+    chunks (a batched ``push_local``), and ``ray.wait`` refuses repeats."""
+    return list(dict.fromkeys(h for h in handles if not isinstance(h, concurrent.futures.Future)))
+
+
 class RayTransport:
     """Calls shard actors through Ray; bulk arguments travel in the object store.
 
@@ -88,11 +94,7 @@ class RayTransport:
     def done(self, handles: Sequence[Any]) -> bool:
         import ray
 
-        # One call may stand for several chunks (a batched push_local): ray.wait
-        # refuses a list with repeats.
-        refs = list(
-            dict.fromkeys(h for h in handles if not isinstance(h, concurrent.futures.Future))
-        )
+        refs = _ray_refs(handles)
         if any(isinstance(h, concurrent.futures.Future) and not h.done() for h in handles):
             return False
         if not refs:
@@ -104,9 +106,7 @@ class RayTransport:
         import ray
 
         deadline = time.monotonic() + timeout_s
-        refs = list(
-            dict.fromkeys(h for h in handles if not isinstance(h, concurrent.futures.Future))
-        )
+        refs = _ray_refs(handles)
         try:
             got = dict(zip(refs, ray.get(refs, timeout=timeout_s))) if refs else {}
         except ray.exceptions.GetTimeoutError as e:

@@ -226,19 +226,16 @@ class SumClient(ClientBase):
         # Workers divide by the world size before pushing, as DDP's all-reduce hook
         # does. A CPU chunk bound for shared memory is divided straight into it (one
         # pass instead of two); a GPU bucket is divided on the device and staged.
-        staged = None
+        # A CPU chunk for the network is divided in place just before it is sent, so
+        # the first bytes leave while later chunks are still being divided.
+        staged = host = None
         if buf.is_cuda:
             buf.div_(self.world_size)
             staged = buf.cpu() if len(remote) < len(pieces) else None
-        elif self._codec.active:
-            for p in remote:
-                buf[p.start : p.stop].div_(self.world_size)
-        # Compression encodes a 16-bit host copy for the network only: shared memory
-        # carries full precision, since no network is involved. Uncompressed CPU
-        # chunks are divided one by one just before each is sent (below), so the
-        # first bytes leave while later chunks are still being divided.
-        host = self._codec.encode(buf) if remote else None
-        divide_each = not buf.is_cuda and not self._codec.active
+            host = self._codec.encode(buf) if remote else None  # one host copy
+        # Compression encodes 16-bit values for the network only: shared memory
+        # carries full precision, since no network is involved.
+        wire_itemsize = np.dtype(self._codec.wire_np_dtype(dtype)).itemsize
         handles: list[Any] = [None] * len(pieces)
         # Chunks for other nodes first: their pushes only enter a queue, and the
         # network is the slow part. Then one Ray call per shard of this node for all
@@ -248,12 +245,12 @@ class SumClient(ClientBase):
             if route.target in self._lanes:
                 local.setdefault(route.target, []).append(i)
             else:
-                assert host is not None
                 # The owner rides along only to a relay (the shard itself by default).
                 relayed = () if route.target == p.shard else (p.shard,)
-                if divide_each:
-                    buf[p.start : p.stop].div_(self.world_size)
-                chunk = host[p.start : p.stop]
+                if host is None:
+                    chunk = self._codec.encode(buf[p.start : p.stop].div_(self.world_size))
+                else:
+                    chunk = host[p.start : p.stop]
                 if route.direct and self._wire is not None:
                     handles[i] = self._wire.push(
                         route.target, self.model_id, step, p.key, self.rank, dtype, chunk
@@ -289,12 +286,11 @@ class SumClient(ClientBase):
         with self._lock:
             for p, route in zip(pieces, routes):
                 wired = route.target not in self._lanes
-                nbytes = p.numel * (
-                    host.itemsize if wired and host is not None else buf.element_size()
+                self._count_push(
+                    route.target, p.numel * (wire_itemsize if wired else buf.element_size())
                 )
-                self._count_push(route.target, nbytes)
             # Messages: one per chunk sent elsewhere, one per shard of this node.
-            self._stats.pushes += len(pieces) - sum(map(len, local.values())) + len(local)
+            self._stats.pushes += len(remote) + len(local)
         self._queue.put(_Pending(step, buf, pieces, handles, fut, time.perf_counter()))
         return fut
 
