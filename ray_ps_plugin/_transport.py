@@ -157,6 +157,7 @@ def wait_all(
     shards: Sequence[int],
     timeout_s: float,
     where: str,
+    deadline: float | None = None,
 ) -> list[Any]:
     """Waits for a batch of calls; turns every failure into a ``PSError`` naming the
     shard(s) to look at.
@@ -167,6 +168,8 @@ def wait_all(
         shards: The shard of each call.
         timeout_s: The bound on the wait (``ps_timeout_s``).
         where: Rank and step or clock, for the message.
+        deadline: A ``time.monotonic()`` by which the wait ends when several waits
+            share one ``timeout_s`` bound (the message still names ``timeout_s``).
 
     Raises:
         PSTimeoutError: The wait ran out; names the shards that stop answering a
@@ -175,8 +178,9 @@ def wait_all(
         PSError: A call failed (e.g. a dead shard); names the shard(s) whose call
             failed.
     """
+    wait_s = timeout_s if deadline is None else max(0.0, deadline - time.monotonic())
     try:
-        return transport.wait(handles, timeout_s)
+        return transport.wait(handles, wait_s)
     except WaitTimeout:
         waited = sorted(set(shards))
         silent = transport.silent(waited, min(PING_TIMEOUT_S, timeout_s))

@@ -26,6 +26,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -44,7 +45,13 @@ from ray_ps_plugin._transport import Lane, Transport, open_lanes, wait_all
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["SHARD_MAX_CONCURRENCY", "SumClient", "auto_chunk_bytes", "check_concurrency"]
+__all__ = [
+    "SHARD_MAX_CONCURRENCY",
+    "SumClient",
+    "auto_chunk_bytes",
+    "check_concurrency",
+    "relay_groups",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -55,16 +62,23 @@ SHARD_MAX_CONCURRENCY = 4096
 
 def check_concurrency(layout: StreamLayout, world_size: int, relays: bool = False) -> None:
     """Raises if a step has more in-flight pushes per shard than a shard admits."""
-    largest_share = max(b - a for a, b in zip(layout.bounds, layout.bounds[1:]))
-    if relays:
-        largest_share = layout.total_bytes  # a relay also holds other nodes' chunks
+    per_shard = layout.chunks_per_shard
+    # A relay also holds other nodes' chunks: the whole stream.
+    largest, chunks = (
+        (layout.total_bytes, sum(per_shard))
+        if relays
+        else (
+            max(b - a for a, b in zip(layout.bounds, layout.bounds[1:])),
+            max(per_shard),
+        )
+    )
     # Bucket boundaries add one extra cut each; +8 allows for a handful of buckets
     # falling inside one shard's range.
-    chunks = -(-largest_share // layout.chunk_bytes) + 8
+    chunks += 8
     if 2 * world_size * chunks > SHARD_MAX_CONCURRENCY:
         raise ValueError(
             f"PSConfig.chunk_bytes={layout.chunk_bytes} cuts each shard's "
-            f"{largest_share} bytes into ~{chunks} chunks; with {world_size} workers "
+            f"{largest} bytes into ~{chunks} chunks; with {world_size} workers "
             f"that exceeds the {SHARD_MAX_CONCURRENCY} pushes a shard holds at once. "
             "Raise chunk_bytes or num_servers."
         )
@@ -94,6 +108,41 @@ def auto_chunk_bytes(
     return max(WIRE_CHUNK_BYTES, -(-share // max(1, per_shard)))
 
 
+#: The first group of relayed chunks a worker hands its node's relay (see
+#: :func:`relay_groups`).
+FIRST_RELAY_GROUP_BYTES = 2 << 20
+
+
+def relay_groups(nbytes: Sequence[int], first: int = FIRST_RELAY_GROUP_BYTES) -> list[range]:
+    """Cuts a bucket's chunks for the node's relay into groups, one Ray call each.
+
+    A relay forwards a chunk only once every worker of its node has handed it over,
+    and a worker hands over a group with one call after writing all of it: a whole
+    bucket in one call would leave the link idle while the worker writes the bucket
+    and the relay takes in the first worker's copy. So the first group is small
+    (``first`` bytes) and each next group twice the size: the link starts early,
+    and a 23 MB bucket costs about four calls rather than one per chunk.
+
+    Args:
+        nbytes: Size of each chunk, in stream order.
+        first: Bytes of the first group.
+
+    Returns:
+        Consecutive index ranges covering every chunk.
+    """
+    groups: list[range] = []
+    start = size = 0
+    limit = first
+    for i, n in enumerate(nbytes):
+        size += n
+        if size >= limit:
+            groups.append(range(start, i + 1))
+            start, size, limit = i + 1, 0, limit * 2
+    if start < len(nbytes):
+        groups.append(range(start, len(nbytes)))
+    return groups
+
+
 def _np_dtype(t: torch.Tensor) -> str:
     """The NumPy name of a bucket's dtype (buckets are float16/32/64)."""
     return str(t.dtype).removeprefix("torch.")
@@ -107,6 +156,9 @@ class _Pending:
     handles: list[Any]
     future: torch.futures.Future[torch.Tensor]
     started: float
+    #: The shard of this node whose output segment holds the whole bucket's sum
+    #: (``None``: the sum is assembled in the bucket itself).
+    in_place: int | None = None
 
 
 class SumClient(ClientBase):
@@ -160,15 +212,21 @@ class SumClient(ClientBase):
         relay = None
         if topology is not None:
             relay = topology.relay_of(topology.worker_nodes[setup.rank])
+        # Whether any chunk of the run crosses nodes on the direct path; the same
+        # answer on every worker, so every worker cuts the stream alike.
+        direct = topology is not None and bool(topology.addresses)
+        relays = topology is not None and topology.has_relays
         chunk_bytes = setup.settings.chunk_bytes
         if chunk_bytes is None:
-            # Whether any chunk of the run crosses nodes on the direct path; the
-            # same answer on every worker, so every worker cuts the stream alike.
-            direct = topology is not None and bool(topology.addresses)
             share = -(-total // setup.num_shards) + 1
-            relays = topology is not None and topology.has_relays
             chunk_bytes = auto_chunk_bytes(total, share, setup.world_size, relays, direct)
-        layout = StreamLayout(total, setup.num_shards, chunk_bytes)
+        layout = StreamLayout(total, setup.num_shards, chunk_bytes, taper=direct)
+        try:
+            check_concurrency(layout, setup.world_size, relays=relays)
+        except ValueError:
+            # Tapered range ends add a few chunks per shard; without them the
+            # layout may still fit (every worker takes the same branch).
+            layout = StreamLayout(total, setup.num_shards, chunk_bytes)
         check_concurrency(layout, setup.world_size, relays=relay is not None)
         # The segment covers the shard's byte range plus slack: a chunk's last
         # element may end a few bytes past the range when the range is not aligned.
@@ -267,31 +325,48 @@ class SumClient(ClientBase):
                     dtype,
                     *relayed,
                 )
+        calls = 0
         for target, indices in local.items():
             lane = self._lanes[target]
-            chunks = []
-            for i in indices:
-                p = pieces[i]
-                dst = torch.from_numpy(lane.inputs.view(p.key - lane.lo, dtype, p.numel))
-                if staged is None:
-                    torch.div(buf[p.start : p.stop], self.world_size, out=dst)
-                else:
-                    dst.copy_(staged[p.start : p.stop])
-                chunks.append((p.key, p.numel, None if target == p.shard else p.shard))
-            call = self._transport.call(
-                target, "push_local", self.model_id, step, self.rank, dtype, chunks
-            )
-            for i in indices:
-                handles[i] = call  # one reply for all of them
+            # A relay's chunks for other nodes go first and in growing groups (see
+            # relay_groups); the shard's own chunks wait for nobody on the link.
+            forwarded = [i for i in indices if pieces[i].shard != target]
+            own = [i for i in indices if pieces[i].shard == target]
+            sizes = [pieces[i].numel * buf.element_size() for i in forwarded]
+            first = FIRST_RELAY_GROUP_BYTES  # read here so that tests can lower it
+            groups = [[forwarded[j] for j in g] for g in relay_groups(sizes, first)]
+            for group in [*groups, own] if own else groups:
+                chunks = []
+                for i in group:
+                    p = pieces[i]
+                    dst = torch.from_numpy(lane.inputs.view(p.key - lane.lo, dtype, p.numel))
+                    if staged is None:
+                        torch.div(buf[p.start : p.stop], self.world_size, out=dst)
+                    else:
+                        dst.copy_(staged[p.start : p.stop])
+                    chunks.append((p.key, p.numel, None if target == p.shard else p.shard))
+                call = self._transport.call(
+                    target, "push_local", self.model_id, step, self.rank, dtype, chunks
+                )
+                calls += 1
+                for i in group:
+                    handles[i] = call  # one reply for all of them
         with self._lock:
             for p, route in zip(pieces, routes):
                 wired = route.target not in self._lanes
                 self._count_push(
                     route.target, p.numel * (wire_itemsize if wired else buf.element_size())
                 )
-            # Messages: one per chunk sent elsewhere, one per shard of this node.
-            self._stats.pushes += len(remote) + len(local)
-        self._queue.put(_Pending(step, buf, pieces, handles, fut, time.perf_counter()))
+            # Messages: one per chunk sent elsewhere, one per call to a shard of
+            # this node.
+            self._stats.pushes += len(remote) + calls
+        # A CPU bucket summed entirely by one shard of this node (always so under a
+        # relay, which covers the whole stream) lies contiguous in that shard's
+        # output segment: DDP reads it there, and the worker copies nothing.
+        in_place = None
+        if not buf.is_cuda and len(local) == 1 and not remote:
+            (in_place,) = local
+        self._queue.put(_Pending(step, buf, pieces, handles, fut, time.perf_counter(), in_place))
         return fut
 
     def _queue_error_check(self) -> None:
@@ -342,31 +417,69 @@ class SumClient(ClientBase):
         return f"rank {self.rank}: model {self.model_id}: step {item.step}"
 
     def _complete(self, item: _Pending) -> None:
+        """Waits for a bucket's sums and writes them into it, call by call.
+
+        The sums of one call (a chunk on the network, or a group of chunks through
+        shared memory) are copied and checked as soon as that call returns, while
+        later ones still travel: for the bucket that closes backward — most of a
+        small model — the copy is then off the step's critical path. The whole
+        bucket stays bounded by one ``ps_timeout_s``.
+        """
         targets = [self._routes[p.shard].target for p in item.pieces]
-        results = wait_all(
-            self._transport,
-            item.handles,
-            targets,
-            self.settings.ps_timeout_s,
-            self._where(item),
-        )
+        calls: dict[int, list[int]] = {}  # one entry per distinct call, in order
+        for i, h in enumerate(item.handles):
+            calls.setdefault(id(h), []).append(i)
+        deadline = time.monotonic() + self.settings.ps_timeout_s
         nbytes = cross = 0
+        finite = True
         bucket = item.bucket
         dtype = _np_dtype(bucket)
         wire_dtype = self._codec.wire_np_dtype(dtype)
-        for p, target, r in zip(item.pieces, targets, results):
+        groups = list(calls.values())
+        for k, indices in enumerate(groups):
+            target = targets[indices[0]]
+            try:
+                (result,) = self._transport.wait(
+                    [item.handles[indices[0]]], max(0.0, deadline - time.monotonic())
+                )
+            except Exception:
+                # Name the culprit among every call still outstanding (a stuck shard
+                # may be a later one that this call's shard waits for), with the
+                # bucket's one bound.
+                rest = [g[0] for g in groups[k:]]
+                (result, *_) = wait_all(
+                    self._transport,
+                    [item.handles[i] for i in rest],
+                    [targets[i] for i in rest],
+                    self.settings.ps_timeout_s,
+                    self._where(item),
+                    deadline,
+                )
             lane = self._lanes.get(target)
-            if lane is not None:
-                r = lane.outputs[item.step % 2].view(p.key - lane.lo, dtype, p.numel)
-                bucket[p.start : p.stop].copy_(torch.from_numpy(r))
-            else:
-                if r.dtype == np.uint8:  # raw bytes from the direct path
-                    r = r.view(wire_dtype)
-                bucket[p.start : p.stop].copy_(self._codec.decode(r, bucket.dtype))
-            nbytes += r.nbytes
-            if target in self.remote_shards:
-                cross += r.nbytes
-        if self.guard.policy != "ignore" and not all_finite(bucket):
+            for i in indices:
+                p = item.pieces[i]
+                if lane is not None:
+                    r = lane.outputs[item.step % 2].view(p.key - lane.lo, dtype, p.numel)
+                    if item.in_place is None:
+                        bucket[p.start : p.stop].copy_(torch.from_numpy(r))
+                else:
+                    r = result.view(wire_dtype) if result.dtype == np.uint8 else result
+                    bucket[p.start : p.stop].copy_(self._codec.decode(r, bucket.dtype))
+                if item.in_place is None and self.guard.policy != "ignore" and finite:
+                    finite = all_finite(bucket[p.start : p.stop])
+                nbytes += r.nbytes
+                if target in self.remote_shards:
+                    cross += r.nbytes
+        if item.in_place is not None:
+            # The shard writes this parity's segment again only for step + 2, which
+            # no worker pushes before every worker's DDP has read this sum.
+            lane = self._lanes[item.in_place]
+            first = item.pieces[0]
+            view = lane.outputs[item.step % 2].view(first.key - lane.lo, dtype, bucket.numel())
+            bucket = torch.from_numpy(view)
+            if self.guard.policy != "ignore":
+                finite = all_finite(bucket)
+        if not finite:
             # Every worker holds the same sum, so every worker flags the same step.
             self.guard.flag(item.step)
         with self._lock:

@@ -375,6 +375,8 @@ class SumShard(ShardBase):
                     self._topology.relay_source(self.shard_index),
                     dtype,
                     self._codec.encode_np(slot.acc) if self._codec.active else slot.acc,
+                    # Uncompressed, the answer lands in the accumulator itself.
+                    None if self._codec.active else slot.acc,
                 )
             )
             # Not cancelled on timeout: a half-sent frame would corrupt the stream.
@@ -387,7 +389,8 @@ class SumShard(ShardBase):
                     f"partial sum within {self.timeout_s:g}s."
                 )
             answer = push.result().view(self._codec.wire_np_dtype(dtype))
-            np.copyto(slot.acc, self._codec.decode_np(answer, dtype))
+            if answer.ctypes.data != slot.acc.ctypes.data:
+                np.copyto(slot.acc, self._codec.decode_np(answer, dtype))
             if self._codec.active and slot.wired:
                 slot.wire = answer
         except Exception as e:

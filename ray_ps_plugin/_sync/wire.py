@@ -260,7 +260,10 @@ class _Stream:
         self._connect_timeout_s = connect_timeout_s
         self._queue: queue.SimpleQueue[tuple[Frame, np.ndarray] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._waiting: dict[tuple[int, int, int], concurrent.futures.Future[np.ndarray]] = {}
+        # (model, step, key) -> the push's future and where its answer may land.
+        self._waiting: dict[
+            tuple[int, int, int], tuple[concurrent.futures.Future[np.ndarray], np.ndarray | None]
+        ] = {}
         self._error: BaseException | None = None
         self._sock: socket.socket | None = None
         self._sender = threading.Thread(
@@ -271,13 +274,15 @@ class _Stream:
     def _where(self) -> str:
         return f"shard {self.shard} at {self.address[0]}:{self.address[1]}"
 
-    def push(self, frame: Frame, payload: np.ndarray) -> concurrent.futures.Future[np.ndarray]:
+    def push(
+        self, frame: Frame, payload: np.ndarray, into: np.ndarray | None = None
+    ) -> concurrent.futures.Future[np.ndarray]:
         fut: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
         with self._lock:
             if self._error is not None:
                 fut.set_exception(self._error)
                 return fut
-            self._waiting[(frame.model, frame.step, frame.key)] = fut
+            self._waiting[(frame.model, frame.step, frame.key)] = (fut, into)
         self._queue.put((frame, payload))
         return fut
 
@@ -286,7 +291,7 @@ class _Stream:
             if self._error is None:
                 self._error = error
             waiting, self._waiting = self._waiting, {}
-        for fut in waiting.values():
+        for fut, _ in waiting.values():
             if not fut.done():
                 fut.set_exception(self._error)
 
@@ -323,10 +328,19 @@ class _Stream:
             while True:
                 _recv_exact_blocking(sock, memoryview(head))
                 frame = Frame.unpack(head)
-                payload = np.empty(frame.nbytes, np.uint8)
-                _recv_exact_blocking(sock, payload.data)
+                key = (frame.model, frame.step, frame.key)
                 with self._lock:
-                    fut = self._waiting.pop((frame.model, frame.step, frame.key), None)
+                    fut, into = self._waiting.pop(key, (None, None))
+                if (
+                    frame.kind == ANSWER
+                    and into is not None
+                    and into.nbytes == frame.nbytes
+                    and into.flags.c_contiguous
+                ):
+                    payload = into.reshape(-1).view(np.uint8)  # straight into place
+                else:
+                    payload = np.empty(frame.nbytes, np.uint8)
+                _recv_exact_blocking(sock, payload.data)
                 if fut is None or fut.done():
                     continue
                 if frame.kind == ERROR:
@@ -382,12 +396,17 @@ class WireStreams:
         source: int,
         dtype: str,
         payload: np.ndarray,
+        into: np.ndarray | None = None,
     ) -> concurrent.futures.Future[np.ndarray]:
         """Sends one chunk to ``shard``; the future holds the answer's bytes (``uint8``).
 
         ``payload`` must stay unchanged until the future completes. The future fails
         with ``ConnectionError`` if the connection cannot be opened or breaks, and
         with :class:`RemoteError` if the shard refuses the push.
+
+        ``into``: a contiguous array the answer is received into, without a copy,
+        when its size matches (the future then holds its bytes); it may be the
+        payload itself, since the answer comes only after the whole push arrived.
         """
         stream = self._streams.get(shard)
         if stream is None:
@@ -397,7 +416,8 @@ class WireStreams:
                 fut.set_exception(ConnectionError(f"shard {shard} has no direct data path"))
                 return fut
             stream = self._streams[shard] = _Stream(shard, address, self._token, self._timeout_s)
-        return stream.push(Frame(PUSH, dtype, model, step, key, source, payload.nbytes), payload)
+        frame = Frame(PUSH, dtype, model, step, key, source, payload.nbytes)
+        return stream.push(frame, payload, into)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Closes every connection (waits at most ``timeout_s`` per sender)."""

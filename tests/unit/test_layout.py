@@ -92,3 +92,25 @@ def test_too_many_chunks_per_shard_is_refused_with_the_fix():
     check_concurrency(StreamLayout(23_000_000, 2, 16 << 20), world_size=2)
     with pytest.raises(ValueError, match="Raise chunk_bytes"):
         check_concurrency(StreamLayout(23_000_000, 2, 1024), world_size=2)
+
+
+def test_a_tapered_range_ends_in_halving_chunks_and_still_covers_the_stream():
+    """Across a link, the sum of a range's last chunk travels back only after that
+    chunk arrived: with ``taper`` the last chunk_bytes of each range are cut in
+    halves down to TAPER_MIN_BYTES, so the step ends a small chunk after the last
+    push."""
+    from ray_ps_plugin._sync.layout import TAPER_MIN_BYTES
+
+    mib = 1 << 20
+    layout = StreamLayout(total_bytes=10 * mib, num_shards=2, chunk_bytes=mib, taper=True)
+    pieces = _cut_stream(layout, [mib // 4, 10 * mib // 4 - mib // 4], 4)
+    for shard in (0, 1):
+        sizes = [p.numel * 4 for p, _ in pieces if p.shard == shard]
+        assert sum(sizes) == 5 * mib and max(sizes) <= mib
+        # The bucket boundary at 256 KiB only splits shard 0's first chunk.
+        assert sizes[-5:] == [mib // 2, mib // 4, mib // 8, mib // 16, TAPER_MIN_BYTES]
+    keys = [p.key for p, _ in pieces]
+    assert len(keys) == len(set(keys))
+    # Small ranges and small chunks are not tapered.
+    assert StreamLayout(3 * mib, 2, mib, taper=True).chunks_per_shard == [2, 2]
+    assert StreamLayout(8 * mib, 1, 64 << 10, taper=True).chunks_per_shard == [128]

@@ -180,3 +180,20 @@ def test_automatic_chunks_are_small_only_where_they_cross_on_the_direct_path():
     # A big model never needs more concurrent pushes per shard than a shard admits.
     big = auto_chunk_bytes(8 << 30, 4 << 30, 8, relays=True, direct=True)
     assert big > mb and 2 * 8 * (-(-(8 << 30) // big) + 8) <= SHARD_MAX_CONCURRENCY
+
+
+def test_a_relay_gets_its_first_chunks_early_then_in_growing_groups():
+    """A worker hands its relay the chunks for other nodes in groups, one Ray call
+    each: small first (so the link starts while the rest is written), then
+    doubling (so a big bucket costs a few calls, not one per chunk)."""
+    from ray_ps_plugin._sync.client import relay_groups
+
+    mb = 1 << 20
+    groups = relay_groups([mb] * 12, first=2 * mb)
+    assert [len(g) for g in groups] == [2, 4, 6]
+    assert [i for g in groups for i in g] == list(range(12))  # each chunk once, in order
+    assert relay_groups([], first=mb) == []
+    assert relay_groups([5 * mb], first=mb) == [range(0, 1)]
+    # Uneven chunks (bucket boundaries) still cover the stream in order.
+    groups = relay_groups([mb // 2, mb, 3 * mb, mb // 4], first=mb)
+    assert [list(g) for g in groups] == [[0, 1], [2], [3]]
