@@ -586,6 +586,63 @@ def net_ratio(variant: str, result: str = "net_step_time", base: str = "ddp") ->
     return _x(d["ratio_to_counterpart"][variant])
 
 
+def net_round_ratios(variant: str, result: str, base: str = "ddp") -> str:
+    """Each round's step-time ratio of ``variant`` to ``base``, e.g. ``0.99×, 1.04×``."""
+    d = _json(result)
+    return ", ".join(_x(r[variant]["mean_step_s"] / r[base]["mean_step_s"]) for r in d["rounds"])
+
+
+def net_floor(variant: str, result: str, base: str = "ddp") -> str:
+    """The best step-time ratio ``variant`` could reach against ``base`` in that run
+    if everything but its bytes cost what it costs ``base``: ``base``'s measured step
+    with ``base``'s bytes at line rate swapped for the variant's (cost model bytes,
+    one direction)."""
+    d = _json(result)
+    nodes, k = d["nodes"], d["workers_per_node"]
+    model_bytes = 4 * d["rounds"][0]["ddp"]["params"]
+    rate = _rate_bytes_per_s(d["rate"])
+    wire = {}
+    for v in (variant, base):
+        paper = _net_bytes_model(v, nodes, k, model_bytes)
+        if paper is None:
+            raise RenderError(f"{result}: no cost model for {v}")
+        wire[v] = paper / 2 / rate * 1e3
+    step = d["mean_step_ms"][base]
+    return _x((step - wire[base] + wire[variant]) / step)
+
+
+def wire_server_table() -> str:
+    """Event-loop CPU per MiB of the direct path's listening side, per implementation."""
+    d = _json("wire_server")
+    rows = [
+        [
+            r["label"],
+            f"`{r['commit']}`",
+            f"{r['loop_cpu_ms_per_mib']:.2f}",
+            f"{r['wall_ms_per_mib']:.2f}",
+        ]
+        for r in d["rows"]
+    ]
+    first = d["rows"][0]
+    note = (
+        f"Measured {first['date']} on {first['machine']}: median of {first['repeats']} × "
+        f"{first['frames']} frames of {first['chunk_bytes'] >> 10} KiB echoed on 127.0.0.1 "
+        "(`benchmarks/wire_server.py`; raw data: `benchmarks/results/wire_server.json`)."
+    )
+    header = [
+        "shard side reads and answers with",
+        "commit",
+        "event-loop CPU (ms/MiB)",
+        "wall (ms/MiB)",
+    ]
+    return note + "\n\n" + _table(header, rows)
+
+
+def wire_loop_cpu(which: str) -> str:
+    """One implementation's event-loop CPU per MiB (row 0 or 1 of the wire_server run)."""
+    return f"{_json('wire_server')['rows'][int(which)]['loop_cpu_ms_per_mib']:.2f} ms"
+
+
 # --- chaos soak (benchmarks/chaos_soak.py on benchmarks/netbed.py) ----------------------
 def _fault_detail(f: dict[str, Any]) -> str:
     if "skipped" in f:
@@ -685,7 +742,11 @@ RENDERERS: dict[str, Callable[..., str]] = {
         net_table,
         net_ratio,
         net_model_table,
+        net_floor,
+        net_round_ratios,
         net_cost_table,
+        wire_server_table,
+        wire_loop_cpu,
         chaos_table,
     )
 }

@@ -7,9 +7,11 @@ chunk is one frame on a long-lived TCP connection from the pusher (a worker, or 
 node's relay shard) to the owner shard: a fixed header, then the chunk's bytes,
 sent straight from the gradient buffer (``sendall`` on a memoryview) and received
 straight into a fresh array (``recv_into``). The answer — the sum — comes back the
-same way on the same connection. Shards listen in their event loop
-(:class:`WireServer`); pushers — workers, and relay shards — use blocking sockets on
-threads of their own (:class:`WireStreams`), which hold no GIL while bytes move.
+same way on the same connection. Both ends move bytes with blocking sockets on
+threads of their own, which hold no GIL while bytes move: a shard accepts in its
+event loop and reads and answers each connection on two threads
+(:class:`WireServer`), handing each complete push to the event loop; pushers —
+workers, and relay shards — do the same from their side (:class:`WireStreams`).
 
 Ray still starts, places and supervises every process: the shard opens its
 listening socket on its node's address when the backend asks
@@ -117,37 +119,54 @@ def _tune(sock: socket.socket) -> None:
     sock.setblocking(False)
 
 
-async def _recv_exact(sock: socket.socket, buf: memoryview) -> None:
-    loop = asyncio.get_running_loop()
+Handler = Callable[[Frame, np.ndarray], Awaitable[np.ndarray]]
+
+
+def _recv_exact_blocking(sock: socket.socket, buf: memoryview) -> None:
     while buf.nbytes:
-        n = await loop.sock_recv_into(sock, buf)
+        n = sock.recv_into(buf)
         if n == 0:
             raise ConnectionError("the peer closed the connection")
         buf = buf[n:]
 
 
-async def _recv_frame(sock: socket.socket) -> tuple[Frame, np.ndarray]:
-    head = bytearray(_HEADER.size)
-    await _recv_exact(sock, memoryview(head))
-    frame = Frame.unpack(head)
-    payload = np.empty(frame.nbytes, np.uint8)
-    await _recv_exact(sock, payload.data)
-    return frame, payload
-
-
-async def _send_frame(sock: socket.socket, frame: Frame, payload: np.ndarray | bytes) -> None:
-    loop = asyncio.get_running_loop()
-    await loop.sock_sendall(sock, frame.pack())
+def _send_blocking(sock: socket.socket, frame: Frame, payload: np.ndarray | bytes) -> None:
+    sock.sendall(frame.pack())
     if frame.nbytes:
-        data = payload if isinstance(payload, bytes) else payload.data.cast("B")
-        await loop.sock_sendall(sock, data)
+        sock.sendall(payload if isinstance(payload, bytes) else payload.data.cast("B"))
 
 
-Handler = Callable[[Frame, np.ndarray], Awaitable[np.ndarray]]
+class _Sender:
+    """A connection's outgoing frames, sent in order by a thread of its own."""
+
+    def __init__(self, sock: socket.socket, name: str) -> None:
+        self._sock = sock
+        self._queue: queue.SimpleQueue[tuple[Frame, np.ndarray | bytes] | None] = (
+            queue.SimpleQueue()
+        )
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def put(self, frame: Frame, payload: np.ndarray | bytes) -> None:
+        self._queue.put((frame, payload))
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        with contextlib.suppress(OSError):  # the pusher went away; its waits end there
+            while (item := self._queue.get()) is not None:
+                _send_blocking(self._sock, *item)
 
 
 class WireServer:
-    """The listening side, inside a shard's event loop.
+    """The listening side of a shard.
+
+    Connections are accepted in the shard's event loop; each is then read by a
+    thread of its own with blocking ``recv_into`` and answered by another with
+    blocking ``sendall``, which hold no GIL while bytes move. (Read by the event
+    loop, every socket buffer's worth of a 1 MiB frame cost a wake-up and a pass
+    through the loop.) Each complete push is handed to ``handler`` in the event
+    loop, which owns all of the shard's state.
 
     Args:
         handler: Called with each push's header and payload; returns the answer's
@@ -161,7 +180,9 @@ class WireServer:
         self._handler = handler
         self._token = token
         self._listener: socket.socket | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Future[None]] = set()
+        self._conns: set[socket.socket] = set()
 
     async def start(self, host: str) -> tuple[str, int]:
         """Listens on ``host`` (the node's address) on a free port; returns both."""
@@ -171,6 +192,7 @@ class WireServer:
         listener.listen(256)
         listener.setblocking(False)
         self._listener = listener
+        self._loop = asyncio.get_running_loop()
         self._spawn(self._accept(listener))
         return host, listener.getsockname()[1]
 
@@ -184,31 +206,44 @@ class WireServer:
         while True:
             conn, _ = await loop.sock_accept(listener)
             _tune(conn)
-            self._spawn(self._serve(conn))
+            conn.setblocking(True)
+            self._conns.add(conn)
+            threading.Thread(
+                target=self._serve, args=(conn, loop), name="ps-wire-serve", daemon=True
+            ).start()
 
-    async def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
         # Pushes are read as they come and answered as their sums complete, in any
-        # order; one lock keeps answers from interleaving on the stream.
-        lock = asyncio.Lock()
+        # order; the sender thread keeps answers from interleaving on the stream.
+        sender = _Sender(conn, "ps-wire-answer")
         try:
             presented = bytearray(TOKEN_BYTES)
-            await asyncio.wait_for(_recv_exact(conn, memoryview(presented)), 30.0)
+            conn.settimeout(30.0)
+            _recv_exact_blocking(conn, memoryview(presented))
             if not hmac.compare_digest(bytes(presented), self._token):
                 logger.warning("closed a data-path connection without the run's token")
                 return
+            conn.settimeout(None)
+            head = bytearray(_HEADER.size)
             while True:
-                frame, payload = await _recv_frame(conn)
+                _recv_exact_blocking(conn, memoryview(head))
+                frame = Frame.unpack(head)
                 if frame.kind != PUSH:
                     raise ConnectionError(f"expected a push, got frame kind {frame.kind}")
-                self._spawn(self._answer(conn, lock, frame, payload))
-        except (ConnectionError, OSError, asyncio.TimeoutError):
-            pass  # the pusher went away; its waits end on its side
+                payload = np.empty(frame.nbytes, np.uint8)
+                _recv_exact_blocking(conn, payload.data)
+                loop.call_soon_threadsafe(self._spawn, self._answer(sender, frame, payload))
+        except (ConnectionError, OSError, RuntimeError):
+            pass  # the pusher went away (or the loop closed); its waits end on its side
         finally:
+            # Answers still queued have no one to go to: the pusher is gone.
+            sender.close()
+            self._conns.discard(conn)
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)  # also wakes the sender if it blocks
             conn.close()
 
-    async def _answer(
-        self, conn: socket.socket, lock: asyncio.Lock, frame: Frame, payload: np.ndarray
-    ) -> None:
+    async def _answer(self, sender: _Sender, frame: Frame, payload: np.ndarray) -> None:
         try:
             out = await self._handler(frame, payload)
             reply: np.ndarray | bytes = out
@@ -216,10 +251,12 @@ class WireServer:
         except Exception as e:
             reply = str(e).encode()[:65536]
             kind, nbytes = ERROR, len(reply)
-        answer = Frame(kind, frame.dtype, frame.model, frame.step, frame.key, frame.source, nbytes)
-        with contextlib.suppress(ConnectionError, OSError):
-            async with lock:
-                await _send_frame(conn, answer, reply)
+        # A sum stays unchanged until it is sent: its buffer is reused two steps
+        # later, which this pusher cannot reach before it has this answer.
+        sender.put(
+            Frame(kind, frame.dtype, frame.model, frame.step, frame.key, frame.source, nbytes),
+            reply,
+        )
 
     def close(self) -> None:
         for task in list(self._tasks):
@@ -227,18 +264,13 @@ class WireServer:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+        for conn in list(self._conns):
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
 
 
 class RemoteError(RuntimeError):
     """The shard refused a push; carries the shard's message."""
-
-
-def _recv_exact_blocking(sock: socket.socket, buf: memoryview) -> None:
-    while buf.nbytes:
-        n = sock.recv_into(buf)
-        if n == 0:
-            raise ConnectionError("the peer closed the connection")
-        buf = buf[n:]
 
 
 class _Stream:
@@ -315,10 +347,7 @@ class _Stream:
         ).start()
         try:
             while (item := self._queue.get()) is not None:
-                frame, payload = item
-                sock.sendall(frame.pack())
-                if frame.nbytes:
-                    sock.sendall(payload.data.cast("B"))
+                _send_blocking(sock, *item)
         except OSError as e:
             self._fail(ConnectionError(f"sending to {self._where()} failed: {e}"))
 

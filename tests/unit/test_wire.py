@@ -197,3 +197,43 @@ def test_a_relay_gets_its_first_chunks_early_then_in_growing_groups():
     # Uneven chunks (bucket boundaries) still cover the stream in order.
     groups = relay_groups([mb // 2, mb, 3 * mb, mb // 4], first=mb)
     assert [list(g) for g in groups] == [[0, 1], [2], [3]]
+
+
+def test_a_closed_server_ends_its_connection_threads_and_fails_the_pushers_waits():
+    """A shard reads and answers each connection on threads of its own; closing it
+    must end them (no thread left behind in a shard process) and fail the pusher's
+    next push with a ConnectionError rather than leave it waiting."""
+    import threading
+    import time
+
+    from ray_ps_plugin._sync.wire import WireServer
+
+    names = ("ps-wire-serve", "ps-wire-answer")
+
+    def alive():
+        return [t for t in threading.enumerate() if t.name in names and t.is_alive()]
+
+    async def echo(frame, payload):
+        return payload
+
+    async def main():
+        server = WireServer(echo, TOKEN)
+        address = await server.start("127.0.0.1")
+        streams = WireStreams([address], TOKEN, connect_timeout_s=5.0)
+        try:
+            data = np.arange(4, dtype=np.float32)
+            answer = await asyncio.wrap_future(streams.push(0, 0, 1, 0, 1, "float32", data))
+            np.testing.assert_array_equal(answer.view(np.float32), data)
+            assert len(alive()) == 2
+            server.close()
+            late = streams.push(0, 0, 2, 0, 1, "float32", data)
+            with pytest.raises(ConnectionError, match="shard 0 at 127.0.0.1"):
+                await asyncio.wait_for(asyncio.wrap_future(late), 5)
+            deadline = time.monotonic() + 5
+            while alive() and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert not alive()
+        finally:
+            streams.close()
+
+    asyncio.run(main())
