@@ -67,14 +67,17 @@ async def _one(frames: int, chunk_bytes: int) -> tuple[float, float]:
 
 
 def _commit(package_dir: Path) -> str:
-    try:
+    """The checkout's commit, with ``-dirty`` if the package itself has changes."""
+
+    def git(*args: str) -> str:
         out = subprocess.run(
-            ["git", "-C", str(package_dir), "describe", "--always", "--dirty"],
-            capture_output=True,
-            text=True,
-            check=True,
+            ["git", "-C", str(package_dir), *args], capture_output=True, text=True, check=True
         )
         return out.stdout.strip()
+
+    try:
+        dirty = git("status", "--porcelain", "--", ".")
+        return git("rev-parse", "--short", "HEAD") + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 

@@ -333,8 +333,7 @@ class SumClient(ClientBase):
             forwarded = [i for i in indices if pieces[i].shard != target]
             own = [i for i in indices if pieces[i].shard == target]
             sizes = [pieces[i].numel * buf.element_size() for i in forwarded]
-            first = FIRST_RELAY_GROUP_BYTES  # read here so that tests can lower it
-            groups = [[forwarded[j] for j in g] for g in relay_groups(sizes, first)]
+            groups = [[forwarded[j] for j in g] for g in relay_groups(sizes)]
             for group in [*groups, own] if own else groups:
                 chunks = []
                 for i in group:
