@@ -510,6 +510,17 @@ def _rate_bytes_per_s(rate: str) -> float:
     return float(m[1]) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m[2]] / 8
 
 
+def _paper_link_bytes(d: dict[str, Any], variant: str) -> float | None:
+    """The cost model's link bytes per step (sent + received) for a run's variant."""
+    model_bytes = 4 * d["rounds"][0]["ddp"]["params"]
+    return _net_bytes_model(variant, d["nodes"], d["workers_per_node"], model_bytes)
+
+
+def _line_rate_ms(d: dict[str, Any], paper_bytes: float) -> float:
+    """Time one direction of ``paper_bytes`` takes at the run's link rate."""
+    return paper_bytes / 2 / _rate_bytes_per_s(d["rate"]) * 1e3
+
+
 def net_cost_table() -> str:
     """The cost model on paper: model sizes per direction on a worker node's link."""
     rows = []
@@ -545,13 +556,12 @@ def net_model_table(*results: str) -> str:
     for result in results:
         d = _json(result)
         nodes, k = d["nodes"], d["workers_per_node"]
-        model_bytes = 4 * d["rounds"][0]["ddp"]["params"]
         compute = d["mean_step_ms"].get("compute")
         for v, mb in d["rank0_link_mb_per_step"].items():
-            paper = _net_bytes_model(v, nodes, k, model_bytes)
+            paper = _paper_link_bytes(d, v)
             if paper is None or mb is None:
                 continue
-            wire_ms = paper / 2 / _rate_bytes_per_s(d["rate"]) * 1e3
+            wire_ms = _line_rate_ms(d, paper)
             comm = "n/a" if compute is None else f"{d['mean_step_ms'][v] - compute:.0f}"
             rows.append(
                 [
@@ -598,15 +608,12 @@ def net_floor(variant: str, result: str, base: str = "ddp") -> str:
     with ``base``'s bytes at line rate swapped for the variant's (cost model bytes,
     one direction)."""
     d = _json(result)
-    nodes, k = d["nodes"], d["workers_per_node"]
-    model_bytes = 4 * d["rounds"][0]["ddp"]["params"]
-    rate = _rate_bytes_per_s(d["rate"])
     wire = {}
     for v in (variant, base):
-        paper = _net_bytes_model(v, nodes, k, model_bytes)
+        paper = _paper_link_bytes(d, v)
         if paper is None:
             raise RenderError(f"{result}: no cost model for {v}")
-        wire[v] = paper / 2 / rate * 1e3
+        wire[v] = _line_rate_ms(d, paper)
     step = d["mean_step_ms"][base]
     return _x((step - wire[base] + wire[variant]) / step)
 
