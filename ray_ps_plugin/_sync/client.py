@@ -457,14 +457,16 @@ class SumClient(ClientBase):
             lane = self._lanes.get(target)
             for i in indices:
                 p = item.pieces[i]
+                if lane is not None and item.in_place is not None:
+                    nbytes += p.numel * bucket.element_size()  # DDP reads it in place
+                    continue
                 if lane is not None:
                     r = lane.outputs[item.step % 2].view(p.key - lane.lo, dtype, p.numel)
-                    if item.in_place is None:
-                        bucket[p.start : p.stop].copy_(torch.from_numpy(r))
+                    bucket[p.start : p.stop].copy_(torch.from_numpy(r))
                 else:
                     r = result.view(wire_dtype) if result.dtype == np.uint8 else result
                     bucket[p.start : p.stop].copy_(self._codec.decode(r, bucket.dtype))
-                if item.in_place is None and self.guard.policy != "ignore" and finite:
+                if self.guard.policy != "ignore" and finite:
                     finite = all_finite(bucket[p.start : p.stop])
                 nbytes += r.nbytes
                 if target in self.remote_shards:
