@@ -32,7 +32,7 @@ from ray_ps_plugin._ray_compat import (
     worker_placement_group,
     worker_places,
 )
-from ray_ps_plugin._sync.client import SHARD_MAX_CONCURRENCY
+from ray_ps_plugin._sync.layout import SHARD_MAX_CONCURRENCY
 from ray_ps_plugin._types import (
     COMPRESSIONS,
     DATA_PATHS,

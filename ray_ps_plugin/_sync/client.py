@@ -26,7 +26,6 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +36,7 @@ from ray_ps_plugin._client import ClientBase, ClientSetup
 from ray_ps_plugin._codec import Codec
 from ray_ps_plugin._errors import PSError
 from ray_ps_plugin._nonfinite import all_finite
-from ray_ps_plugin._sync.layout import Piece, StreamLayout
+from ray_ps_plugin._sync.layout import Piece, StreamLayout, plan_layout, relay_groups
 from ray_ps_plugin._sync.topology import Route, Topology
 from ray_ps_plugin._sync.wire import WireStreams
 from ray_ps_plugin._transport import Lane, Transport, open_lanes, wait_all
@@ -45,102 +44,9 @@ from ray_ps_plugin._transport import Lane, Transport, open_lanes, wait_all
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
 
-__all__ = [
-    "SHARD_MAX_CONCURRENCY",
-    "SumClient",
-    "auto_chunk_bytes",
-    "check_concurrency",
-    "relay_groups",
-]
+__all__ = ["SumClient"]
 
 logger = logging.getLogger(__name__)
-
-# Each push occupies one of the shard actor's concurrent calls until every worker has
-# pushed that chunk, so a shard must admit all chunks of two steps from all workers.
-SHARD_MAX_CONCURRENCY = 4096
-
-
-def check_concurrency(layout: StreamLayout, world_size: int, relays: bool = False) -> None:
-    """Raises if a step has more in-flight pushes per shard than a shard admits."""
-    per_shard = layout.chunks_per_shard
-    # A relay also holds other nodes' chunks: the whole stream.
-    largest, chunks = (
-        (layout.total_bytes, sum(per_shard))
-        if relays
-        else (
-            max(b - a for a, b in zip(layout.bounds, layout.bounds[1:])),
-            max(per_shard),
-        )
-    )
-    # Bucket boundaries add one extra cut each; +8 allows for a handful of buckets
-    # falling inside one shard's range.
-    chunks += 8
-    if 2 * world_size * chunks > SHARD_MAX_CONCURRENCY:
-        raise ValueError(
-            f"PSConfig.chunk_bytes={layout.chunk_bytes} cuts each shard's "
-            f"{largest} bytes into ~{chunks} chunks; with {world_size} workers "
-            f"that exceeds the {SHARD_MAX_CONCURRENCY} pushes a shard holds at once. "
-            "Raise chunk_bytes or num_servers."
-        )
-
-
-#: ``chunk_bytes=None``: the chunk size where every message is a Ray call (one node,
-#: or the object store between nodes), and where chunks cross on the direct path.
-CALL_CHUNK_BYTES = 16 << 20
-WIRE_CHUNK_BYTES = 1 << 20
-
-
-def auto_chunk_bytes(
-    total_bytes: int, largest_share: int, world_size: int, relays: bool, direct: bool
-) -> int:
-    """The chunk size ``chunk_bytes=None`` picks for one model.
-
-    On the direct path a frame costs a 40-byte header, and 1 MiB chunks let the
-    owner sum and answer the first chunks while later ones still travel (measured on
-    a 1 Gbit/s link: see docs/benchmarks.md); elsewhere each chunk is a Ray call.
-    Chunks are never so small that a shard would hold more pushes at once than it
-    admits.
-    """
-    if not direct:
-        return CALL_CHUNK_BYTES
-    share = total_bytes if relays else largest_share
-    per_shard = SHARD_MAX_CONCURRENCY // (2 * world_size) - 8
-    return max(WIRE_CHUNK_BYTES, -(-share // max(1, per_shard)))
-
-
-#: The first group of relayed chunks a worker hands its node's relay (see
-#: :func:`relay_groups`).
-FIRST_RELAY_GROUP_BYTES = 2 << 20
-
-
-def relay_groups(nbytes: Sequence[int], first: int = FIRST_RELAY_GROUP_BYTES) -> list[range]:
-    """Cuts a bucket's chunks for the node's relay into groups, one Ray call each.
-
-    A relay forwards a chunk only once every worker of its node has handed it over,
-    and a worker hands over a group with one call after writing all of it: a whole
-    bucket in one call would leave the link idle while the worker writes the bucket
-    and the relay takes in the first worker's copy. So the first group is small
-    (``first`` bytes) and each next group twice the size: the link starts early,
-    and a 23 MB bucket costs about four calls rather than one per chunk.
-
-    Args:
-        nbytes: Size of each chunk, in stream order.
-        first: Bytes of the first group.
-
-    Returns:
-        Consecutive index ranges covering every chunk.
-    """
-    groups: list[range] = []
-    start = size = 0
-    limit = first
-    for i, n in enumerate(nbytes):
-        size += n
-        if size >= limit:
-            groups.append(range(start, i + 1))
-            start, size, limit = i + 1, 0, limit * 2
-    if start < len(nbytes):
-        groups.append(range(start, len(nbytes)))
-    return groups
 
 
 def _np_dtype(t: torch.Tensor) -> str:
@@ -215,19 +121,14 @@ class SumClient(ClientBase):
         # Whether any chunk of the run crosses nodes on the direct path; the same
         # answer on every worker, so every worker cuts the stream alike.
         direct = topology is not None and bool(topology.addresses)
-        relays = topology is not None and topology.has_relays
-        chunk_bytes = setup.settings.chunk_bytes
-        if chunk_bytes is None:
-            share = -(-total // setup.num_shards) + 1
-            chunk_bytes = auto_chunk_bytes(total, share, setup.world_size, relays, direct)
-        layout = StreamLayout(total, setup.num_shards, chunk_bytes, taper=direct)
-        try:
-            check_concurrency(layout, setup.world_size, relays=relays)
-        except ValueError:
-            # Tapered range ends add a few chunks per shard; without them the
-            # layout may still fit (every worker takes the same branch).
-            layout = StreamLayout(total, setup.num_shards, chunk_bytes)
-        check_concurrency(layout, setup.world_size, relays=relay is not None)
+        layout = plan_layout(
+            total,
+            setup.num_shards,
+            setup.settings.chunk_bytes,
+            setup.world_size,
+            relays=topology is not None and topology.has_relays,
+            direct=direct,
+        )
         # The segment covers the shard's byte range plus slack: a chunk's last
         # element may end a few bytes past the range when the range is not aligned.
         # The node's relay also receives every other node's range: the whole stream.

@@ -18,15 +18,29 @@ Every worker sees the same buckets in the same order (DDP guarantees identical
 bucket layouts across ranks), so every worker computes the same cuts without
 talking to anyone, and a chunk's byte offset in the stream is a key that is unique
 within a step.
+
+The module also sizes the chunks (:func:`auto_chunk_bytes`), checks that a step's
+pushes fit the shards' concurrency (:func:`check_concurrency`, both through
+:func:`plan_layout`), and groups a relay's chunks into calls (:func:`relay_groups`).
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["TAPER_MIN_BYTES", "Piece", "StreamLayout"]
+__all__ = [
+    "SHARD_MAX_CONCURRENCY",
+    "TAPER_MIN_BYTES",
+    "Piece",
+    "StreamLayout",
+    "auto_chunk_bytes",
+    "check_concurrency",
+    "plan_layout",
+    "relay_groups",
+]
 
 #: The smallest chunk of a tapered range end (see :class:`StreamLayout`).
 TAPER_MIN_BYTES = 64 << 10
@@ -185,3 +199,133 @@ class StreamLayout:
         )
         self._cache[cache_key] = pieces
         return pieces
+
+
+# Each push occupies one of the shard actor's concurrent calls until every worker has
+# pushed that chunk, so a shard must admit all chunks of two steps from all workers.
+SHARD_MAX_CONCURRENCY = 4096
+
+
+def check_concurrency(layout: StreamLayout, world_size: int, relays: bool = False) -> None:
+    """Raises if a step has more in-flight pushes per shard than a shard admits."""
+    per_shard = layout.chunks_per_shard
+    # A relay also holds other nodes' chunks: the whole stream.
+    largest, chunks = (
+        (layout.total_bytes, sum(per_shard))
+        if relays
+        else (
+            max(b - a for a, b in zip(layout.bounds, layout.bounds[1:])),
+            max(per_shard),
+        )
+    )
+    # Bucket boundaries add one extra cut each; +8 allows for a handful of buckets
+    # falling inside one shard's range.
+    chunks += 8
+    if 2 * world_size * chunks > SHARD_MAX_CONCURRENCY:
+        raise ValueError(
+            f"PSConfig.chunk_bytes={layout.chunk_bytes} cuts each shard's "
+            f"{largest} bytes into ~{chunks} chunks; with {world_size} workers "
+            f"that exceeds the {SHARD_MAX_CONCURRENCY} pushes a shard holds at once. "
+            "Raise chunk_bytes or num_servers."
+        )
+
+
+#: ``chunk_bytes=None``: the chunk size where every message is a Ray call (one node,
+#: or the object store between nodes), and where chunks cross on the direct path.
+CALL_CHUNK_BYTES = 16 << 20
+WIRE_CHUNK_BYTES = 1 << 20
+
+
+def auto_chunk_bytes(
+    total_bytes: int, largest_share: int, world_size: int, relays: bool, direct: bool
+) -> int:
+    """The chunk size ``chunk_bytes=None`` picks for one model.
+
+    On the direct path a frame costs a 40-byte header, and 1 MiB chunks let the
+    owner sum and answer the first chunks while later ones still travel (measured on
+    a 1 Gbit/s link: see docs/benchmarks.md); elsewhere each chunk is a Ray call.
+    Chunks are never so small that a shard would hold more pushes at once than it
+    admits.
+    """
+    if not direct:
+        return CALL_CHUNK_BYTES
+    share = total_bytes if relays else largest_share
+    per_shard = SHARD_MAX_CONCURRENCY // (2 * world_size) - 8
+    return max(WIRE_CHUNK_BYTES, -(-share // max(1, per_shard)))
+
+
+#: The first group of relayed chunks a worker hands its node's relay (see
+#: :func:`relay_groups`).
+FIRST_RELAY_GROUP_BYTES = 2 << 20
+
+
+def relay_groups(nbytes: Sequence[int], first: int = FIRST_RELAY_GROUP_BYTES) -> list[range]:
+    """Cuts a bucket's chunks for the node's relay into groups, one Ray call each.
+
+    A relay forwards a chunk only once every worker of its node has handed it over,
+    and a worker hands over a group with one call after writing all of it: a whole
+    bucket in one call would leave the link idle while the worker writes the bucket
+    and the relay takes in the first worker's copy. So the first group is small
+    (``first`` bytes) and each next group twice the size: the link starts early,
+    and a 23 MB bucket costs about four calls rather than one per chunk.
+
+    Args:
+        nbytes: Size of each chunk, in stream order.
+        first: Bytes of the first group.
+
+    Returns:
+        Consecutive index ranges covering every chunk.
+    """
+    groups: list[range] = []
+    start = size = 0
+    limit = first
+    for i, n in enumerate(nbytes):
+        size += n
+        if size >= limit:
+            groups.append(range(start, i + 1))
+            start, size, limit = i + 1, 0, limit * 2
+    if start < len(nbytes):
+        groups.append(range(start, len(nbytes)))
+    return groups
+
+
+def plan_layout(
+    total_bytes: int,
+    num_shards: int,
+    chunk_bytes: int | None,
+    world_size: int,
+    *,
+    relays: bool,
+    direct: bool,
+) -> StreamLayout:
+    """The layout every worker of a run cuts one model's gradient stream with.
+
+    Every input is the same on every worker, so every worker cuts alike.
+
+    Args:
+        total_bytes: Size of the model's gradient stream.
+        num_shards: Number of server shards.
+        chunk_bytes: ``PSConfig.chunk_bytes`` (``None``: :func:`auto_chunk_bytes`).
+        world_size: Number of workers.
+        relays: Whether the run has node relays (a relay holds the whole stream).
+        direct: Whether chunks cross nodes on the direct data path, where range ends
+            are tapered (see :class:`StreamLayout`).
+
+    Raises:
+        ValueError: If a shard would hold more pushes at once than it admits.
+    """
+    if chunk_bytes is None:
+        share = -(-total_bytes // num_shards) + 1
+        chunk_bytes = auto_chunk_bytes(total_bytes, share, world_size, relays, direct)
+    if direct:
+        tapered = StreamLayout(total_bytes, num_shards, chunk_bytes, taper=True)
+        try:
+            check_concurrency(tapered, world_size, relays=relays)
+            return tapered
+        except ValueError:
+            # Tapered range ends add a few chunks per shard; without them the
+            # layout may still fit.
+            pass
+    layout = StreamLayout(total_bytes, num_shards, chunk_bytes)
+    check_concurrency(layout, world_size, relays=relays)
+    return layout

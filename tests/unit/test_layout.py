@@ -87,11 +87,33 @@ def test_bad_sizes_raise(kwargs):
 
 
 def test_too_many_chunks_per_shard_is_refused_with_the_fix():
-    from ray_ps_plugin._sync.client import check_concurrency
+    from ray_ps_plugin._sync.layout import check_concurrency
 
     check_concurrency(StreamLayout(23_000_000, 2, 16 << 20), world_size=2)
     with pytest.raises(ValueError, match="Raise chunk_bytes"):
         check_concurrency(StreamLayout(23_000_000, 2, 1024), world_size=2)
+
+
+def test_the_planned_layout_drops_the_taper_before_refusing_a_chunk_size():
+    """On the direct path the range ends are tapered unless the extra chunks would
+    not fit a shard; only a chunk size that fits neither way is refused."""
+    from ray_ps_plugin._sync.layout import TAPER_MIN_BYTES, plan_layout
+
+    mb = 1 << 20
+    auto = plan_layout(23_000_000, 2, None, 4, relays=True, direct=True)
+    assert (
+        auto.chunk_bytes == mb
+        and auto.chunks_per_shard != StreamLayout(23_000_000, 2, mb).chunks_per_shard
+    )  # tapered
+    assert plan_layout(23_000_000, 2, None, 4, relays=False, direct=False).chunk_bytes == 16 * mb
+    # 2 workers x 2 steps x (chunks + 8) must stay within 4096: 1010 chunks per
+    # range fit, 1010 plus a taper of 7 (64 x 64 KiB, 32 x, ... 1 x) do not.
+    chunk = 128 * TAPER_MIN_BYTES
+    total = 2 * 1010 * chunk
+    fitted = plan_layout(total, 2, chunk, 2, relays=False, direct=True)
+    assert fitted.chunks_per_shard == StreamLayout(total, 2, chunk).chunks_per_shard
+    with pytest.raises(ValueError, match="Raise chunk_bytes"):
+        plan_layout(total, 2, chunk // 2, 2, relays=False, direct=True)
 
 
 def test_a_tapered_range_ends_in_halving_chunks_and_still_covers_the_stream():

@@ -172,7 +172,7 @@ def test_waits_on_direct_path_pushes_are_bounded_and_raise_their_error():
 
 
 def test_automatic_chunks_are_small_only_where_they_cross_on_the_direct_path():
-    from ray_ps_plugin._sync.client import SHARD_MAX_CONCURRENCY, auto_chunk_bytes
+    from ray_ps_plugin._sync.layout import SHARD_MAX_CONCURRENCY, auto_chunk_bytes
 
     mb = 1 << 20
     assert auto_chunk_bytes(23 * mb, 12 * mb, 2, relays=False, direct=False) == 16 * mb
@@ -186,7 +186,7 @@ def test_a_relay_gets_its_first_chunks_early_then_in_growing_groups():
     """A worker hands its relay the chunks for other nodes in groups, one Ray call
     each: small first (so the link starts while the rest is written), then
     doubling (so a big bucket costs a few calls, not one per chunk)."""
-    from ray_ps_plugin._sync.client import relay_groups
+    from ray_ps_plugin._sync.layout import relay_groups
 
     mb = 1 << 20
     groups = relay_groups([mb] * 12, first=2 * mb)
