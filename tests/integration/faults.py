@@ -55,7 +55,8 @@ def resumable_loop(config: dict[str, Any]) -> None:
     driver (file ``node_to_remove``) to remove its whole node, then wait;
     ``link_fault_step`` makes rank 0 ask the test (file ``link_fault``, holding the
     time) to break a network link, then pause ``link_fault_pause_s`` (1 s) so the
-    fault is in place before the step's communication.
+    fault is in place before the step's communication. With ``record_placement``
+    the last report also names every worker's node and every shard's node.
     """
     rank = ray.train.get_context().get_world_rank()
     model = _model()
@@ -117,6 +118,9 @@ def resumable_loop(config: dict[str, Any]) -> None:
             if ctx is not None:
                 metrics["skipped"] = ctx.stats.skipped_steps
                 ctx.flush()
+            if config.get("record_placement") and step + 1 == config["steps"]:
+                metrics["worker_nodes"] = _worker_nodes()
+                metrics["server_node_ids"] = list(ctx.server_node_ids) if ctx else None
             with tempfile.TemporaryDirectory() as d:
                 ckpt = None
                 if rank == 0:
@@ -130,6 +134,15 @@ def resumable_loop(config: dict[str, Any]) -> None:
         if preempted:
             preempted_at = step + 1
             _after_preemption_checkpoint(config, rank, preempted_at)
+
+
+def _worker_nodes() -> list[str]:
+    """Every worker's node id, by rank (a collective: every rank calls it)."""
+    import torch.distributed as dist
+
+    nodes: list[Any] = [None] * ray.train.get_context().get_world_size()
+    dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
+    return nodes
 
 
 def _preemption_checkpoint(config: dict[str, Any], rank: int, step: int) -> bool:
