@@ -28,7 +28,9 @@ Step time is rank 0's mean over the steps after warm-up; the table shows the med
 over rounds and, per variant, the median over rounds of its ratio to DDP's step time
 in the same round. Every worker also reads the byte counters of its network interface
 (``--ifname``, by default ``$GLOO_SOCKET_IFNAME``) around the timed steps, which shows
-what actually crossed the link.
+what actually crossed the link. With ``--link-trace`` the driver also samples its
+own interface every millisecond (in the bed: the head node's link) and reports, per
+variant, when each step's bytes moved (``_linktrace.py``).
 
     python benchmarks/netbed.py --nodes 2 --rate 1gbit -- \\
         python benchmarks/net_step_time.py --steps 10 --rounds 1
@@ -64,6 +66,7 @@ from ray_ps_plugin import PSConfig, PSTrainer
 sys.path.insert(0, str(Path(__file__).parent))
 _common = importlib.import_module("_common")
 cloudpickle.register_pickle_by_value(_common)
+_linktrace = importlib.import_module("_linktrace")
 
 # name -> (PSConfig fields, DDP comm hook, synchronise at all)
 VARIANTS: dict[str, tuple[dict[str, Any], str | None, bool]] = {
@@ -187,6 +190,16 @@ def run_variant(name: str, args: argparse.Namespace, storage: str) -> dict[str, 
     return metrics
 
 
+def _run_traced(name: str, args: argparse.Namespace, storage: str) -> dict[str, Any]:
+    """:func:`run_variant`, with a trace of the driver's link if asked for."""
+    if not args.link_trace:
+        return run_variant(name, args, storage)
+    with _linktrace.LinkSampler(args.ifname) as sampler:
+        metrics = run_variant(name, args, storage)
+    metrics["link_trace"] = _linktrace.summarize(sampler.samples, args.steps)
+    return metrics
+
+
 def _check_placement(name: str, workers: list[dict[str, Any]], args: argparse.Namespace) -> None:
     per_node: dict[str, int] = {}
     for w in workers:
@@ -231,6 +244,12 @@ def main() -> None:
         help="link rate to record (default: $PSBED_RATE, set by netbed.py)",
     )
     p.add_argument(
+        "--link-trace",
+        action="store_true",
+        help="also trace when the driver's --ifname carries each step's bytes "
+        "(1 ms samples; in the bed: the head node's link; see _linktrace.py)",
+    )
+    p.add_argument(
         "--storage",
         default=None,
         help="Ray Train storage path; on a real cluster one every node reaches "
@@ -265,7 +284,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         storage = args.storage or tmp
         for r in range(args.rounds):
-            rounds.append({name: run_variant(name, args, storage) for name in names})
+            rounds.append({name: _run_traced(name, args, storage) for name in names})
             print(
                 f"round {r + 1}: "
                 + ", ".join(f"{k} {v['mean_step_s'] * 1e3:.1f} ms" for k, v in rounds[-1].items()),
@@ -313,6 +332,16 @@ def main() -> None:
             for k in names
         },
         "placement_last_round": placement,
+        "link_trace": {
+            k: {
+                stat: statistics.median(x[k]["link_trace"][stat] for x in rounds)
+                for stat in rounds[0][k]["link_trace"]
+                if None not in [x[k]["link_trace"][stat] for x in rounds]
+            }
+            for k in names
+        }
+        if args.link_trace
+        else None,
         "rounds": rounds,
     }
     out = Path(args.out)
