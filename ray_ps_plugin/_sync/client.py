@@ -23,6 +23,7 @@ step or forward pass, so no step is ever taken on a failed sum.
 # No ``from __future__ import annotations`` here: DDP inspects the hook's
 # annotations at register time and refuses string annotations.
 import logging
+import os
 import queue
 import threading
 import time
@@ -47,6 +48,11 @@ if TYPE_CHECKING:
 __all__ = ["SumClient"]
 
 logger = logging.getLogger(__name__)
+
+#: Set to ``"ray"`` in a worker's environment to send the notices for shards of its
+#: node as Ray calls even where the direct path exists: only for measuring what the
+#: socket notices save (``benchmarks/net_step_time.py``, variant ps_sync_raycall).
+NOTICES_ENV = "RAY_PS_PLUGIN_LOCAL_NOTICES"
 
 
 def _np_dtype(t: torch.Tensor) -> str:
@@ -99,6 +105,7 @@ class SumClient(ClientBase):
             Route(s, direct=s in setup.remote_shards) for s in range(layout.num_shards)
         ]
         self._wire = wire
+        self._notify_by_wire = wire is not None and os.environ.get(NOTICES_ENV) != "ray"
         self._codec = Codec(setup.settings.compression)
         self._stream_offset = 0
         self._round: list[torch.futures.Future[torch.Tensor]] = []  # this step's futures
@@ -145,7 +152,9 @@ class SumClient(ClientBase):
             # Without shared memory with the relay, chunks still go to it (through
             # the object store): the owners count this node's partial sum, not ranks.
             routes = [topology.route(setup.rank, s) for s in range(layout.num_shards)]
-            if topology.addresses and any(r.direct for r in routes):
+            # Every shard listens when the run has the direct path: chunks for other
+            # nodes go there, and so do the notices for this node's shards.
+            if topology.addresses:
                 wire = WireStreams(
                     topology.addresses, topology.token, setup.settings.ps_start_timeout_s
                 )
@@ -245,9 +254,17 @@ class SumClient(ClientBase):
                     else:
                         dst.copy_(staged[p.start : p.stop])
                     chunks.append((p.key, p.numel, None if target == p.shard else p.shard))
-                call = self._transport.call(
-                    target, "push_local", self.model_id, step, self.rank, dtype, chunks
-                )
+                if self._notify_by_wire and self._wire is not None and self._wire.reaches(target):
+                    # A Ray call and its reply cost ~10 ms each on a loaded machine,
+                    # at the start and at the end of the step: the shard's data-path
+                    # socket carries the same notice in well under one.
+                    call = self._wire.push_local(
+                        target, self.model_id, step, self.rank, dtype, chunks
+                    )
+                else:
+                    call = self._transport.call(
+                        target, "push_local", self.model_id, step, self.rank, dtype, chunks
+                    )
                 calls += 1
                 for i in group:
                     handles[i] = call  # one reply for all of them

@@ -27,10 +27,13 @@ from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
 from ray_ps_plugin._shard import ShardBase
 from ray_ps_plugin._shm import Segment, SegmentHandle
 from ray_ps_plugin._sync.topology import Topology
-from ray_ps_plugin._sync.wire import Frame, WireServer, WireStreams
+from ray_ps_plugin._sync.wire import LOCAL, Frame, WireServer, WireStreams, unpack_local
 from ray_ps_plugin._types import Compression
 
 __all__ = ["SumShard"]
+
+#: The answer to a local push: the sums are in shared memory.
+_NO_DATA = np.empty(0, np.uint8)
 
 
 @dataclass
@@ -127,7 +130,12 @@ class SumShard(ShardBase):
 
     async def _on_frame(self, frame: Frame, payload: np.ndarray) -> np.ndarray:
         """A push that came on the direct data path: from a worker of another node
-        that has no relay, or from another node's relay."""
+        that has no relay, or from another node's relay; or a local push, from a
+        worker of this node whose chunks lie in shared memory."""
+        if frame.kind == LOCAL:
+            chunks = unpack_local(payload)
+            await self.push_local(frame.model, frame.step, frame.source, frame.dtype, chunks)
+            return _NO_DATA
         self._check(frame.model, 0, frame.dtype)
         if frame.source not in self._own_sources:
             raise ShardProtocolError(

@@ -25,9 +25,14 @@ Frames (little-endian)::
     header  = magic(4) kind(u8) dtype(u8) model(i32) step(i64) key(i64) source(i32) nbytes(i64)
     payload = nbytes bytes
 
-``kind`` is a push, an answer or an error (the payload is then a UTF-8 message).
-A push is matched to its answer by ``(model, step, key)``, unique per connection
-because a source pushes each chunk of a step once.
+``kind`` is a push, an answer or an error (the payload is then a UTF-8 message), or
+a *local push*: a worker's notice to a shard of its own node that chunks already lie
+in their shared-memory segment (the payload lists ``(key, numel, owner)`` of each as
+``int64`` triples, owner ``-1`` for the shard itself; ``key`` is the first chunk's;
+the answer carries no data). Through Ray, each such notice and its reply cost a
+loaded machine about 10 ms, at both ends of every step. A push is matched to its
+answer by ``(model, step, key)``, unique per connection because a source pushes
+each chunk of a step once.
 
 A connection opens with the run's secret token (:data:`TOKEN_BYTES` random bytes the
 backend draws and hands to shards and workers through Ray, which authenticates its
@@ -51,13 +56,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["DTYPES", "Frame", "RemoteError", "WireServer", "WireStreams"]
+__all__ = [
+    "DTYPES",
+    "Frame",
+    "RemoteError",
+    "WireServer",
+    "WireStreams",
+    "pack_local",
+    "unpack_local",
+]
 
 logger = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("<4sBBiqqiq")
 _MAGIC = b"PSW1"
-PUSH, ANSWER, ERROR = 0, 1, 2
+PUSH, ANSWER, ERROR, LOCAL = 0, 1, 2, 3
 
 #: Element types a frame may name (the model's dtype; the payload is in the wire
 #: format the run's compression chooses).
@@ -72,7 +85,7 @@ class Frame:
     """One frame's header.
 
     Attributes:
-        kind: ``PUSH``, ``ANSWER`` or ``ERROR``.
+        kind: ``PUSH``, ``ANSWER``, ``ERROR`` or ``LOCAL``.
         dtype: The model's dtype (an entry of :data:`DTYPES`).
         model: The prepared model's id.
         step: The synchronisation round.
@@ -104,11 +117,27 @@ class Frame:
     @classmethod
     def unpack(cls, raw: bytes | bytearray | memoryview) -> Frame:
         magic, kind, dtype, model, step, key, source, nbytes = _HEADER.unpack(raw)
-        if magic != _MAGIC or kind not in (PUSH, ANSWER, ERROR) or dtype >= len(DTYPES):
+        if magic != _MAGIC or kind not in (PUSH, ANSWER, ERROR, LOCAL) or dtype >= len(DTYPES):
             raise ConnectionError("not a ray_ps_plugin frame: the stream is corrupt")
         if nbytes < 0:
             raise ConnectionError(f"frame with a negative size {nbytes}")
         return cls(kind, DTYPES[dtype], model, step, key, source, nbytes)
+
+
+def pack_local(chunks: Sequence[tuple[int, int, int | None]]) -> np.ndarray:
+    """The payload of a local push: ``(key, numel, owner)`` per chunk."""
+    return np.array(
+        [(key, numel, -1 if owner is None else owner) for key, numel, owner in chunks],
+        dtype="<i8",
+    ).reshape(-1)
+
+
+def unpack_local(payload: np.ndarray) -> list[tuple[int, int, int | None]]:
+    """The chunks a local push names (see :func:`pack_local`)."""
+    if payload.nbytes % 24:
+        raise ConnectionError(f"a local push of {payload.nbytes} bytes is not whole triples")
+    triples = payload.view("<i8").reshape(-1, 3).tolist()
+    return [(key, numel, None if owner < 0 else owner) for key, numel, owner in triples]
 
 
 def _tune(sock: socket.socket) -> None:
@@ -228,7 +257,7 @@ class WireServer:
             while True:
                 _recv_exact_blocking(conn, memoryview(head))
                 frame = Frame.unpack(head)
-                if frame.kind != PUSH:
+                if frame.kind not in (PUSH, LOCAL):
                     raise ConnectionError(f"expected a push, got frame kind {frame.kind}")
                 payload = np.empty(frame.nbytes, np.uint8)
                 _recv_exact_blocking(conn, payload.data)
@@ -437,16 +466,40 @@ class WireStreams:
         when its size matches (the future then holds its bytes); it may be the
         payload itself, since the answer comes only after the whole push arrived.
         """
+        if self._addresses[shard] is None:
+            fut: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
+            fut.set_exception(ConnectionError(f"shard {shard} has no direct data path"))
+            return fut
+        frame = Frame(PUSH, dtype, model, step, key, source, payload.nbytes)
+        return self._stream(shard).push(frame, payload, into)
+
+    def _stream(self, shard: int) -> _Stream:
         stream = self._streams.get(shard)
         if stream is None:
             address = self._addresses[shard]
-            if address is None:
-                fut: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
-                fut.set_exception(ConnectionError(f"shard {shard} has no direct data path"))
-                return fut
+            assert address is not None  # callers check
             stream = self._streams[shard] = _Stream(shard, address, self._token, self._timeout_s)
-        frame = Frame(PUSH, dtype, model, step, key, source, payload.nbytes)
-        return stream.push(frame, payload, into)
+        return stream
+
+    def reaches(self, shard: int) -> bool:
+        """Whether ``shard`` listens on the direct path."""
+        return self._addresses[shard] is not None
+
+    def push_local(
+        self,
+        shard: int,
+        model: int,
+        step: int,
+        source: int,
+        dtype: str,
+        chunks: Sequence[tuple[int, int, int | None]],
+    ) -> concurrent.futures.Future[np.ndarray]:
+        """Tells a shard of this node that ``chunks`` lie in the source's shared-memory
+        segment (as ``SumShard.push_local`` through Ray); the future completes, with
+        no data, once their sums are in the shard's output segment."""
+        payload = pack_local(chunks)
+        frame = Frame(LOCAL, dtype, model, step, chunks[0][0], source, payload.nbytes)
+        return self._stream(shard).push(frame, payload)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Closes every connection (waits at most ``timeout_s`` per sender)."""

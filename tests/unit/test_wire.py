@@ -149,6 +149,47 @@ def test_a_worker_pushes_to_another_nodes_shard_on_the_direct_path():
     np.testing.assert_array_equal(remote, local)
 
 
+def test_workers_of_the_shards_node_push_through_shared_memory_and_a_socket_notice():
+    """Two workers of shard 0's node write their chunks into shared memory and tell
+    the shard on its data-path socket (no Ray call): the sums land in the output
+    segment, a rank the shard does not know is refused with the reason, and a notice
+    names its chunks exactly (the wire format round-trips)."""
+    from ray_ps_plugin._shm import Segment
+    from ray_ps_plugin._sync.wire import pack_local, unpack_local
+
+    chunks = [(0, 4, None), (16, 2, 3)]
+    assert unpack_local(pack_local(chunks)) == chunks
+
+    async def main():
+        shard = SumShard(0, 2, 5.0)
+        address = await shard.open_wire(TOKEN, "127.0.0.1")
+        await shard.configure(
+            Topology(worker_nodes=(0, 0), shard_nodes=(0,), addresses=(address,), token=TOKEN)
+        )
+        inputs = [Segment.create(24) for _ in range(2)]
+        outs = [Segment.open(h) for h in shard.attach(0, 0, inputs[0].handle, 0, 24)]
+        shard.attach(0, 1, inputs[1].handle, 0, 24)
+        # One connection per worker, as each worker process has its own.
+        wires = [WireStreams([address], TOKEN, connect_timeout_s=5.0) for _ in range(3)]
+        try:
+            for rank in (0, 1):
+                inputs[rank].view(0, "float32", 6)[:] = rank + 1
+            futs = [wires[r].push_local(0, 0, 1, r, "float32", [(0, 6, None)]) for r in (0, 1)]
+            answers = [await asyncio.wait_for(asyncio.wrap_future(f), 5) for f in futs]
+            stranger = wires[2].push_local(0, 0, 1, 5, "float32", [(0, 6, None)])
+            with pytest.raises(Exception, match="rank 5 is not an int in"):
+                await asyncio.wait_for(asyncio.wrap_future(stranger), 5)
+            return [a.nbytes for a in answers], outs[1].view(0, "float32", 6).copy()
+        finally:
+            for w in wires:
+                w.close()
+            shard._wire_server.close()
+
+    sizes, summed = asyncio.run(main())
+    assert sizes == [0, 0]  # the answer carries no data: the sum is in shared memory
+    np.testing.assert_array_equal(summed, np.full(6, 3.0))
+
+
 def test_waits_on_direct_path_pushes_are_bounded_and_raise_their_error():
     import concurrent.futures
 
