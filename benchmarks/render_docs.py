@@ -443,6 +443,7 @@ NET_LABELS = {
     "ps_sync_4mib": "PS sync, `chunk_bytes=4 MiB`",
     "ps_sync_16mib": "PS sync, `chunk_bytes=16 MiB`",
     "ps_sync_worker": 'PS sync, `server_placement="worker"`',
+    "ps_sync_raycall": "PS sync, shared-memory notices as Ray calls",
     "compute": "compute only (no synchronisation)",
 }
 NET_BASES = {"ddp": "DDP", "ddp_bf16": "DDP + bf16 hook"}
@@ -618,6 +619,57 @@ def net_floor(variant: str, result: str, base: str = "ddp") -> str:
     return _x((step - wire[base] + wire[variant]) / step)
 
 
+def _link_trace(result: str) -> tuple[dict[str, Any], dict[str, dict[str, float]]]:
+    d = _json(result)
+    if not d.get("link_trace"):
+        raise RenderError(f"{result}: run without --link-trace")
+    return d, d["link_trace"]
+
+
+def net_link_table(result: str) -> str:
+    """When the head node's link carried each step's bytes (``--link-trace``)."""
+    d, trace = _link_trace(result)
+    rows = []
+    for v, t in trace.items():
+        if "later_start_to_end_ms" not in t:
+            continue  # no traffic: the compute floor
+        if t["steps_traced"] < d["args"]["steps"]:
+            # Steps ran into each other without a quiet gap: no per-step figures.
+            rows.append([NET_LABELS.get(v, f"`{v}`"), f"{d['mean_step_ms'][v]:.0f}"] + ["n/a"] * 4)
+            continue
+        line = _line_rate_ms(d, 2e6 * max(t["tx_mb"], t["rx_mb"]))
+        rows.append(
+            [
+                NET_LABELS.get(v, f"`{v}`"),
+                f"{d['mean_step_ms'][v]:.0f}",
+                f"{t['gap_ms']:.0f}",
+                f"{t['skew_ms']:.0f}",
+                f"{t['later_start_to_end_ms']:.0f}",
+                f"{line:.0f}",
+            ]
+        )
+    header = [
+        "variant",
+        "mean step (ms)",
+        "quiet between steps (ms)",
+        "start skew (ms)",
+        "later side's first byte to the last (ms)",
+        "its bytes one way at line rate (ms)",
+    ]
+    note = (
+        f"Medians per step, then over rounds, of the head node's link in `{result}.json` "
+        "(`--link-trace`, sampled every millisecond; `benchmarks/_linktrace.py`). n/a: "
+        "the link never went quiet between steps, so they cannot be told apart."
+    )
+    return note + "\n\n" + _table(header, rows)
+
+
+def net_link(variant: str, result: str, stat: str) -> str:
+    """One traced figure (``gap_ms``, ``skew_ms``, ``later_start_to_end_ms``), in ms."""
+    _, trace = _link_trace(result)
+    return f"{trace[variant][stat]:.0f} ms"
+
+
 def wire_server_table() -> str:
     """Event-loop CPU per MiB of the direct path's listening side, per implementation."""
     d = _json("wire_server")
@@ -751,6 +803,8 @@ RENDERERS: dict[str, Callable[..., str]] = {
         net_model_table,
         net_floor,
         net_round_ratios,
+        net_link_table,
+        net_link,
         net_cost_table,
         wire_server_table,
         wire_loop_cpu,

@@ -255,9 +255,10 @@ class SumClient(ClientBase):
                         dst.copy_(staged[p.start : p.stop])
                     chunks.append((p.key, p.numel, None if target == p.shard else p.shard))
                 if self._notify_by_wire and self._wire is not None and self._wire.reaches(target):
-                    # A Ray call and its reply cost ~10 ms each on a loaded machine,
-                    # at the start and at the end of the step: the shard's data-path
-                    # socket carries the same notice in well under one.
+                    # A Ray call and its reply sit at the start and at the end of the
+                    # step's transfer, where on a loaded machine they cost far more
+                    # than a frame on this open socket (docs/benchmarks.md: the
+                    # ps_sync_raycall row).
                     call = self._wire.push_local(
                         target, self.model_id, step, self.rank, dtype, chunks
                     )

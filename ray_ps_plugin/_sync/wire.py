@@ -29,8 +29,9 @@ Frames (little-endian)::
 a *local push*: a worker's notice to a shard of its own node that chunks already lie
 in their shared-memory segment (the payload lists ``(key, numel, owner)`` of each as
 ``int64`` triples, owner ``-1`` for the shard itself; ``key`` is the first chunk's;
-the answer carries no data). Through Ray, each such notice and its reply cost a
-loaded machine about 10 ms, at both ends of every step. A push is matched to its
+the answer carries no data). As a Ray call, each such notice and its reply sit at
+the ends of every step's transfer, where a loaded machine pays more for them than
+for a frame on a socket already open. A push is matched to its
 answer by ``(model, step, key)``, unique per connection because a source pushes
 each chunk of a step once.
 
