@@ -206,8 +206,9 @@ class SumClient(ClientBase):
         wire_itemsize = np.dtype(self._codec.wire_np_dtype(dtype)).itemsize
         handles: list[Any] = [None] * len(pieces)
         # Chunks for other nodes first: their pushes only enter a queue, and the
-        # network is the slow part. Then one Ray call per shard of this node for all
-        # of the bucket's chunks it gets through shared memory.
+        # network is the slow part. Then one notice (a frame on the shard's socket
+        # where the run has the direct path, else a Ray call) per shard of this node
+        # for all of the bucket's chunks it gets through shared memory.
         local: dict[int, list[int]] = {}
         for i, (p, route) in enumerate(zip(pieces, routes)):
             if route.target in self._lanes:

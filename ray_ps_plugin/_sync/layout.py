@@ -260,14 +260,15 @@ FIRST_RELAY_GROUP_BYTES = 2 << 20
 
 
 def relay_groups(nbytes: Sequence[int], first: int = FIRST_RELAY_GROUP_BYTES) -> list[range]:
-    """Cuts a bucket's chunks for the node's relay into groups, one Ray call each.
+    """Cuts a bucket's chunks for the node's relay into groups, one notice each.
 
     A relay forwards a chunk only once every worker of its node has handed it over,
-    and a worker hands over a group with one call after writing all of it: a whole
-    bucket in one call would leave the link idle while the worker writes the bucket
-    and the relay takes in the first worker's copy. So the first group is small
-    (``first`` bytes) and each next group twice the size: the link starts early,
-    and a 23 MB bucket costs about four calls rather than one per chunk.
+    and a worker hands over a group with one notice (see ``SumShard.push_local``)
+    after writing all of it: a whole bucket at once would leave the link idle while
+    the worker writes the bucket and the relay takes in the first worker's copy. So
+    the first group is small (``first`` bytes) and each next group twice the size:
+    the link starts early, and a 23 MB bucket costs about four notices rather than
+    one per chunk.
 
     Args:
         nbytes: Size of each chunk, in stream order.

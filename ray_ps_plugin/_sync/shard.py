@@ -204,7 +204,9 @@ class SumShard(ShardBase):
 
         One call per (bucket, shard) rather than one per chunk: the chunks are small
         where they cross nodes on the direct path (1 MiB), and a Ray call costs
-        about a millisecond of the worker's backward pass. Each chunk is read from
+        about a millisecond of the worker's backward pass. Where the run has the
+        direct path the same call arrives as a local push frame on the shard's
+        socket (:meth:`_on_frame`) instead of through Ray. Each chunk is read from
         the worker's input segment; its sum is left in the output segment of
         ``step % 2``; the reply, once every chunk is summed, carries no data.
 
