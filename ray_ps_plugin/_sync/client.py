@@ -105,7 +105,8 @@ class SumClient(ClientBase):
             Route(s, direct=s in setup.remote_shards) for s in range(layout.num_shards)
         ]
         self._wire = wire
-        self._notify_by_wire = wire is not None and os.environ.get(NOTICES_ENV) != "ray"
+        # Where this worker sends its notices for shards of its node, when not Ray.
+        self._notices = wire if os.environ.get(NOTICES_ENV) != "ray" else None
         self._codec = Codec(setup.settings.compression)
         self._stream_offset = 0
         self._round: list[torch.futures.Future[torch.Tensor]] = []  # this step's futures
@@ -255,12 +256,12 @@ class SumClient(ClientBase):
                     else:
                         dst.copy_(staged[p.start : p.stop])
                     chunks.append((p.key, p.numel, None if target == p.shard else p.shard))
-                if self._notify_by_wire and self._wire is not None and self._wire.reaches(target):
+                if self._notices is not None and self._notices.reaches(target):
                     # A Ray call and its reply sit at the start and at the end of the
                     # step's transfer, where on a loaded machine they cost far more
                     # than a frame on this open socket (docs/benchmarks.md: the
                     # ps_sync_raycall row).
-                    call = self._wire.push_local(
+                    call = self._notices.push_local(
                         target, self.model_id, step, self.rank, dtype, chunks
                     )
                 else:

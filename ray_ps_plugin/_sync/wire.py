@@ -31,9 +31,9 @@ in their shared-memory segment (the payload lists ``(key, numel, owner)`` of eac
 ``int64`` triples, owner ``-1`` for the shard itself; ``key`` is the first chunk's;
 the answer carries no data). As a Ray call, each such notice and its reply sit at
 the ends of every step's transfer, where a loaded machine pays more for them than
-for a frame on a socket already open. A push is matched to its
-answer by ``(model, step, key)``, unique per connection because a source pushes
-each chunk of a step once.
+for a frame on a socket already open. A push is matched to its answer by
+``(model, step, key)``, unique per connection because a source pushes each chunk of
+a step once.
 
 A connection opens with the run's secret token (:data:`TOKEN_BYTES` random bytes the
 backend draws and hands to shards and workers through Ray, which authenticates its
@@ -467,7 +467,7 @@ class WireStreams:
         when its size matches (the future then holds its bytes); it may be the
         payload itself, since the answer comes only after the whole push arrived.
         """
-        if self._addresses[shard] is None:
+        if not self.reaches(shard):
             fut: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
             fut.set_exception(ConnectionError(f"shard {shard} has no direct data path"))
             return fut
