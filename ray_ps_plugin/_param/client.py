@@ -2,22 +2,27 @@
 
 One step of a worker, top to bottom:
 
-1. ``model(x)``: before the first forward pass of a step the worker installs the
-   newest parameters the shards have sent, if they are already back; it blocks only
-   when the staleness bound demands fresher ones (``"ssp"``), never in ``"async"``.
-   Later forward passes of the same step (two forwards before one backward) never
-   change the parameters under autograd's feet.
+1. ``model(x)`` trains on the parameters the client last installed. In ``"ssp"``
+   the first forward pass after a step blocks if they are too stale and installs the
+   newest reply; ``"async"`` never blocks here. Later forward passes of the same step
+   (two forwards before one backward) never change the parameters under autograd's
+   feet.
 2. ``loss.backward()`` and ``optimizer.step()`` run locally, unchanged: the user's
    optimizer (momentum, Adam state, learning-rate schedule) steps the worker's copy.
-3. Right before ``optimizer.step()`` a global optimizer hook snapshots the
-   parameters; right after it, another takes the difference (the *delta*: what the
-   optimizer changed) and sends each shard its slice in one non-blocking
+3. Right after ``optimizer.step()`` a global optimizer hook takes the difference
+   between the parameters and the values the client installed last (the *delta*:
+   what the optimizer changed) and sends each shard its slice in one non-blocking
    ``push_pull`` that also brings back the shard's current parameters. A colocated
    shard gets the delta through shared memory and answers in it.
+4. In the same hook the worker installs the newest reply it holds (that of its
+   previous push) plus ``delta / W``: its own step counts exactly as much as the
+   shards count it, so the model is what the shards will hold once this push lands,
+   short of what other workers pushed since.
 
 At most one round trip per worker is in flight: the next push first waits for the
 previous one (with a timeout), so a fast worker cannot queue unbounded work on the
-shards and every update is confirmed before the one after it is sent.
+shards and every update is confirmed before the one after it is sent. That wait is
+the only one in ``"async"``.
 """
 
 from __future__ import annotations
@@ -25,7 +30,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +49,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["ParamClient"]
+
+# Elements per chunk of the delta-and-install pass: the chunk's parameters, base,
+# delta and reply (4 x 256 KiB in fp32) stay in a core's L2 cache between the three
+# operations on it.
+_CHUNK = 1 << 16
 
 
 @dataclass
@@ -85,14 +94,20 @@ class ParamClient(ClientBase):
             },
             setup.rank,
         )
-        # The parameters when the optimizer step began (host copy).
+        # The values this client last put into the model (host copy): a step's delta
+        # is the parameters after the optimizer step minus these.
         self._base = torch.empty(numel, dtype=dtype)
+        # The weight the shards give one worker's delta (see ParamShard._push_pull).
+        self._scale = 1.0 / setup.world_size
         # Only shards reached by wire need a host delta; colocated ones get theirs
         # written straight into shared memory.
         wired = len(self._lanes) < setup.num_shards
         self._delta = torch.empty(numel if wired else 0, dtype=dtype)
         self._on_gpu = any(p.is_cuda for p in self._params)
         self._flat = torch.empty(numel if self._on_gpu else 0, dtype=dtype)  # GPU staging
+        # Whether a pass over the parameters' flat views writes the model itself
+        # (contiguous CPU parameters), or the values go in with a copy afterwards.
+        self._writes_in_place = not self._on_gpu and all(p.is_contiguous() for p in self._params)
         self._np_dtype = self._base.numpy().dtype
         # Where each shard's delta is computed: straight into the shared memory of a
         # colocated shard (saving a copy), else into ``_delta`` for the wire.
@@ -119,7 +134,7 @@ class ParamClient(ClientBase):
         self._clock = 0
         self._stamp = 0  # slowest worker's clock contained in the installed parameters
         self._inflight: _InFlight | None = None
-        self._installed = True  # whether the newest reply is in the model
+        self._installed = True  # whether the in-flight push's reply is in the model
         self._first_forward = True  # no forward yet since the last optimizer step
         self._counted_step = -1
         self._forwards = 0
@@ -127,7 +142,7 @@ class ParamClient(ClientBase):
         self._gaps_sum = 0
         self._samples = 0
         self._finished = False
-        self._snapshot_params()  # rank 0 seeds the shards with this snapshot
+        self._snapshot_params()  # rank 0 seeds the shards with this copy
 
     @classmethod
     def build(cls, setup: ClientSetup, transport: Transport) -> ParamClient:
@@ -172,32 +187,32 @@ class ParamClient(ClientBase):
         return tuple(sorted(self._lanes))
 
     # --- the step ---------------------------------------------------------------
-    def before_step(self) -> None:
-        """Checks, then snapshots the parameters the optimizer step starts from."""
-        super().before_step()
-        self._snapshot_params()
-
     def before_forward(self) -> None:
-        """Installs the newest reply if it is back, or waits when ssp demands it.
+        """In ssp, waits for fresher parameters when the installed ones are too stale.
 
         Only the first forward pass after an optimizer step may change the
         parameters: a later one (a second forward before the same backward) would
-        modify tensors autograd saved for that backward.
+        modify tensors autograd saved for that backward. ``"async"`` never waits or
+        installs here: :meth:`after_step` already installed the newest reply.
         """
         super().before_forward()
         self._forwards += 1
         if not self._first_forward:
             return
         self._first_forward = False
-        if self._inflight is not None and not self._installed:
-            must_wait = self._staleness is not None and self._stamp < self._clock - self._staleness
-            if must_wait or self._transport.done(self._inflight.handles):
-                started = time.perf_counter()
-                replies = self._wait(self._inflight.handles, f"clock {self._inflight.clock}")
-                self._install(replies, self._inflight.clock % 2)
-                if must_wait:
-                    with self._lock:
-                        self._stats.wait_s += time.perf_counter() - started
+        inflight = self._inflight
+        if (
+            inflight is not None
+            and not self._installed
+            and self._staleness is not None
+            and self._stamp < self._clock - self._staleness
+        ):
+            started = time.perf_counter()
+            self._install(
+                self._wait(inflight.handles, f"clock {inflight.clock}"), inflight.clock % 2
+            )
+            with self._lock:
+                self._stats.wait_s += time.perf_counter() - started
         if self._counted_step != self._clock:
             # One staleness sample per step: how many clocks the slowest worker's
             # contribution lags behind this worker's.
@@ -210,7 +225,8 @@ class ParamClient(ClientBase):
                 self._stats.staleness_mean = self._gaps_sum / self._samples
 
     def after_step(self) -> None:
-        """Pushes this step's delta to every shard (called after optimizer.step)."""
+        """Pushes this step's delta to every shard and installs the newest reply plus
+        ``delta / W`` (called after optimizer.step)."""
         self._first_forward = True
         previous = None
         if self._inflight is not None:
@@ -221,13 +237,15 @@ class ParamClient(ClientBase):
             previous = self._wait(self._inflight.handles, f"clock {self._inflight.clock}")
             with self._lock:
                 self._stats.wait_s += time.perf_counter() - started
-        params = self._host_params()
-        for pc in self._pieces:
-            torch.sub(
-                params[pc.param][pc.p0 : pc.p1],
-                self._base[pc.flat0 : pc.flat0 + pc.numel],
-                out=self._delta_parts[pc.shard][pc.s0 : pc.s0 + pc.numel],
-            )
+        # Train on the newest parameters at hand (the previous push's reply, which
+        # holds every earlier step of this worker) plus this step counted as the
+        # shards count it. Adding the whole step instead would run the worker ahead
+        # of the shards by (1 - 1/W) of a step each time and, corrected at the next
+        # install, turn into a delayed feedback that diverges at learning rates plain
+        # SGD and DDP take (Ray's linear example did). The install shares one pass
+        # over the parameters with taking the delta, so it comes before the push;
+        # the previous reply's output segment is not the one this push answers in.
+        self._advance(previous, self._clock % 2)
         self._clock += 1
         slot = self._clock % 2
         wired = len(self._lanes) < self.num_shards
@@ -248,11 +266,6 @@ class ParamClient(ClientBase):
                     )
                 )
         self._inflight = _InFlight(self._clock, handles, time.perf_counter())
-        if previous is not None and not self._installed:
-            # The previous reply came back too late for this step's forward pass. It
-            # is still the freshest view of the other workers: train on it plus this
-            # worker's own step, rather than drift on a purely local copy.
-            self._install(previous, (self._clock - 1) % 2, plus=self._delta_parts)
         self._installed = False
         with self._lock:
             self._stats.steps = self._clock
@@ -371,40 +384,51 @@ class ParamClient(ClientBase):
     def _lane_tensor(self, seg: Segment, numel: int) -> torch.Tensor:
         return torch.from_numpy(seg.view(0, self._np_dtype, numel))
 
-    def _install(
-        self, replies: list[Reply], slot: int, plus: Sequence[torch.Tensor] | None = None
-    ) -> None:
-        """Writes the shards' replies (plus an own, unconfirmed step) into the model.
-
-        Args:
-            replies: One reply per shard.
-            slot: The output segment that colocated shards answered in.
-            plus: Per shard, a delta to add on top (this worker's newest step).
-        """
-        sources = [
-            self._lane_tensor(self._lanes[s].outputs[slot], b - a)
-            if r.params is None
-            else self._codec.decode(r.params, self._base.dtype)
-            for s, ((a, b), r) in enumerate(zip(self._slices(), replies))
-        ]
-        # Contiguous CPU parameters are written in place; others (GPU, unusual
-        # strides) are assembled on the host first and copied in once.
-        direct = [p.is_contiguous() and not p.is_cuda for p in self._params]
-        flats = [
-            p.detach().view(-1) if d else torch.empty(p.numel(), dtype=p.dtype)
-            for p, d in zip(self._params, direct)
-        ]
+    def _install(self, replies: list[Reply], slot: int) -> None:
+        """Writes the shards' replies into the model (and ``_base``)."""
+        sources = self._sources(replies, slot)
+        assert sources is not None
         with torch.no_grad():
             for pc in self._pieces:
-                dst = flats[pc.param][pc.p0 : pc.p1]
                 src = sources[pc.shard][pc.s0 : pc.s0 + pc.numel]
-                if plus is None:
-                    dst.copy_(src)
-                else:  # one pass: the shard's values plus this worker's own step
-                    torch.add(src, plus[pc.shard][pc.s0 : pc.s0 + pc.numel], out=dst)
-            for p, flat, d in zip(self._params, flats, direct):
-                if not d:
-                    p.copy_(flat.view(p.shape))
+                self._base[pc.flat0 : pc.flat0 + pc.numel].copy_(src)
+            self._write_params()
+        self._note_replies(replies)
+
+    def _advance(self, replies: list[Reply] | None, slot: int) -> None:
+        """Takes this step's delta into the push buffers and installs the replies plus
+        ``delta / W`` (into the model and ``_base``).
+
+        One pass per chunk small enough to stay in cache: delta = params - base;
+        base = reply + delta / W; params = base. Memory traffic, not arithmetic, is
+        what these passes cost.
+
+        Args:
+            replies: The newest replies (one per shard), or ``None`` (first step, or
+                right after :meth:`flush`): then the step is added to ``_base``.
+            slot: The output segment that colocated shards answered in.
+        """
+        sources = self._sources(replies, slot)
+        host = self._host_params()
+        with torch.no_grad():
+            for pc in self._pieces:
+                n = pc.numel
+                cur = host[pc.param][pc.p0 : pc.p1]
+                base = self._base[pc.flat0 : pc.flat0 + n]
+                delta = self._delta_parts[pc.shard][pc.s0 : pc.s0 + n]
+                src = base if sources is None else sources[pc.shard][pc.s0 : pc.s0 + n]
+                for lo in range(0, n, _CHUNK):
+                    hi = min(lo + _CHUNK, n)
+                    torch.sub(cur[lo:hi], base[lo:hi], out=delta[lo:hi])
+                    torch.add(src[lo:hi], delta[lo:hi], alpha=self._scale, out=base[lo:hi])
+                    cur[lo:hi].copy_(base[lo:hi])
+            if not self._writes_in_place:
+                self._write_params()
+        if replies is not None:
+            self._note_replies(replies)
+
+    def _note_replies(self, replies: list[Reply]) -> None:
+        """Records what installed replies say: staleness stamp, clocks, bytes."""
         self._stamp = min(r.slowest for r in replies)
         self._installed = True
         clocks = [max(cs) for cs in zip(*(r.clocks for r in replies))]
@@ -414,6 +438,22 @@ class ParamClient(ClientBase):
                 self._stats.bytes_pulled += nbytes
                 if s in self.remote_shards:
                     self._stats.bytes_cross_node += nbytes
+
+    def _sources(self, replies: list[Reply] | None, slot: int) -> list[torch.Tensor] | None:
+        """Each shard's slice of the replies: shared memory or the decoded reply."""
+        if replies is None:
+            return None
+        return [
+            self._lane_tensor(self._lanes[s].outputs[slot], b - a)
+            if r.params is None
+            else self._codec.decode(r.params, self._base.dtype)
+            for s, ((a, b), r) in enumerate(zip(self._slices(), replies))
+        ]
+
+    def _write_params(self) -> None:
+        """Copies ``_base`` into the parameters (host to device for GPU ones)."""
+        for o, p in zip(self._offsets, self._params):
+            p.detach().copy_(self._base[o : o + p.numel()].view(p.shape))
 
     def _wait(self, handles: list[Any], what: str) -> list[Any]:
         shards = list(range(len(handles)))

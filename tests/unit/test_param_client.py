@@ -99,25 +99,39 @@ def test_ssp_zero_with_momentum_sgd_is_ddp_maths(loop, shared):
     assert all(c.snapshot().staleness_max == 0 for c in clients)
 
 
+def _raw_sgd_step(model, opt, client, x, y):
+    """One step as in a real run, returning what the optimizer itself changed (before
+    the post-step hook installs anything)."""
+    client.before_forward()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    client.before_step()
+    before = _flat(model).clone()
+    opt.step()
+    raw = _flat(model) - before
+    client.after_step()
+    return raw
+
+
 @pytest.mark.parametrize("shared", [False, True], ids=["object-store", "shared-memory"])
-def test_async_worker_runs_ahead_on_its_own_copy_and_catches_up(loop, shared):
+def test_an_async_worker_counts_its_own_step_as_the_shards_do(loop, shared):
+    """Right after its step, before any reply, the worker trains on what the shards
+    will hold once the push lands: start + step / W. The reply then changes nothing."""
     _, transport, models, clients = _setup(loop, 2, shards=1, staleness=None, shared=shared)
     model, client = models[0], clients[0]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = torch.randn(4, 5), torch.randn(4, 3)
+    start = _flat(model).clone()
     transport.hold()
-    _sgd_step(model, opt, client, x, y)  # push of clock 1 held back
-    local = _flat(model).clone()
-    client.before_forward()  # reply not back: no wait, local copy kept
-    torch.testing.assert_close(_flat(model), local)
+    step = _raw_sgd_step(model, opt, client, x, y)  # push of clock 1 held back
+    torch.testing.assert_close(_flat(model), start + step / 2)
+    client.before_forward()  # reply not back: async does not wait
     transport.release()
-    client._inflight.handles[0].result(5)  # the reply is back now
+    client._inflight.handles[0].result(5)
     client.before_forward()  # a second forward of the same step changes nothing
-    torch.testing.assert_close(_flat(model), local)
     client.flush()
-    # Installed: the shard's parameters hold half of this worker's step (1/W).
-    start = _flat(_models(1)[0])
-    torch.testing.assert_close(_flat(model), start + (local - start) / 2)
+    torch.testing.assert_close(_flat(model), start + step / 2)
     stats = client.snapshot()
     assert stats.clock == 1 and stats.clocks == [1, 0]
     numel = sum(p.numel() for p in model.parameters())
@@ -125,29 +139,79 @@ def test_async_worker_runs_ahead_on_its_own_copy_and_catches_up(loop, shared):
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["object-store", "shared-memory"])
-def test_a_late_reply_is_merged_with_the_workers_own_next_step(loop, shared):
+def test_a_reply_is_installed_with_the_workers_next_step(loop, shared):
+    """After step 2 the worker trains on the shards' answer to step 1 (which holds
+    step 1 / W) plus step 2 / W."""
     _, transport, models, clients = _setup(loop, 2, shards=2, staleness=None, shared=shared)
     model, client = models[0], clients[0]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = torch.randn(4, 5), torch.randn(4, 3)
     start = _flat(model).clone()
     transport.hold()
-    _sgd_step(model, opt, client, x, y)
-    first = _flat(model) - start
-    transport.release()  # the reply arrives, but only after the next forward started
-    client._inflight.handles[0].result(5)
-    client._inflight.handles[1].result(5)
-    before = _flat(model).clone()
-    loss = torch.nn.functional.mse_loss(model(x), y)  # no before_forward: "too late"
-    opt.zero_grad()
-    loss.backward()
-    client.before_step()
-    opt.step()
-    second = _flat(model) - before
-    client.after_step()
-    # Server after clock 1: start + first/2; the model trains on that + own step.
-    torch.testing.assert_close(_flat(model), start + first / 2 + second, atol=1e-6, rtol=0)
+    first = _raw_sgd_step(model, opt, client, x, y)
+    transport.release()
+    second = _raw_sgd_step(model, opt, client, x, y)
+    torch.testing.assert_close(_flat(model), start + first / 2 + second / 2, atol=1e-6, rtol=0)
     assert client.snapshot().clock == 2
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["object-store", "shared-memory"])
+def test_a_lone_async_worker_is_plain_sgd_at_lr_over_w(loop, shared):
+    """Rank 0 steps alone (rank 1 never does) on 0.5 * a * |w|^2 with lr * a = 1.8:
+    the shards apply lr/W steps, so the worker must follow w <- w (1 - lr a / W)
+    exactly. Counting its own step whole between installs (the worker ran ahead by
+    (1 - 1/W) of a step and was pulled back one reply later) made this recurrence
+    w_k = (1 - lr a) w_{k-1} + (lr a / W) w_{k-2}, which diverges for lr * a > 4/3:
+    Ray's linear example (x up to 10, lr 1e-2) did."""
+    _, _, models, clients = _setup(loop, 2, shards=2, staleness=None, shared=shared)
+    model, client = models[0], clients[0]
+    a, lr, steps = 1.0, 1.8, 30
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    start = _flat(model).clone()
+    for _ in range(steps):
+        client.before_forward()
+        loss = 0.5 * a * sum((p**2).sum() for p in model.parameters())
+        opt.zero_grad()
+        loss.backward()
+        client.before_step()
+        opt.step()
+        client.after_step()
+    client.sync()
+    expected = start * (1 - lr * a / 2) ** steps
+    torch.testing.assert_close(_flat(model), expected, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["object-store", "shared-memory"])
+def test_constant_gradients_land_exactly_n_times_w_deltas(loop, shared):
+    """Every delta applied once, none lost or doubled around an install: with a
+    constant gradient, W workers of N SGD steps each move every parameter by
+    N * W * (lr / W), on the shards and on every worker after a sync."""
+    world, steps, lr = 3, 17, 0.125
+    _, _, models, clients = _setup(loop, world, shards=2, staleness=None, shared=shared)
+    start = _flat(models[0]).clone()
+    opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in models]
+
+    def run(rank):
+        model, client, opt = models[rank], clients[rank], opts[rank]
+        for _ in range(steps):
+            client.before_forward()
+            loss = sum(p.sum() for p in model.parameters())  # gradient 1 everywhere
+            opt.zero_grad()
+            loss.backward()
+            client.before_step()
+            opt.step()
+            client.after_step()
+        client.flush()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for c in clients:
+        c.sync()
+    for m in models:
+        torch.testing.assert_close(_flat(m), start - steps * lr, atol=1e-5, rtol=0)
 
 
 def test_ssp_waits_for_the_slowest_and_records_no_gap_beyond_the_bound(loop):
