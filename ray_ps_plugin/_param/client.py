@@ -51,9 +51,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["ParamClient"]
 
 # Elements per chunk of the delta-and-install pass: the chunk's parameters, base,
-# delta and reply (4 x 256 KiB in fp32) stay in a core's L2 cache between the three
-# operations on it.
-_CHUNK = 1 << 16
+# delta and reply (4 x 512 KiB in fp32) stay in cache between the three operations
+# on it. Smaller chunks cost more in per-operation overhead than they save (a 5.8 M
+# parameter model: 6.6 ms at this size, 7.7 ms at half of it, 7.3 ms unchunked).
+_CHUNK = 1 << 17
 
 
 @dataclass
