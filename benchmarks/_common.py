@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 import time
 from collections.abc import Callable
 from datetime import date
@@ -40,11 +41,31 @@ def digits_split(seed: int = 0) -> tuple[torch.Tensor, ...]:
     return x[:cut], y[:cut], x[cut:], y[cut:]
 
 
+def code_commit() -> str:
+    """The commit the benchmark runs (``-dirty`` when the package or the benchmarks
+    differ from it), or ``"unknown"`` outside a git checkout."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", root, *args], capture_output=True, text=True, check=True, timeout=30
+        ).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short=12", "HEAD")
+        dirty = git("status", "--porcelain", "--", "ray_ps_plugin", "benchmarks", "examples")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return commit + ("-dirty" if dirty else "")
+
+
 def machine_info() -> dict[str, Any]:
+    """Where and on what code a result was measured (stored with every result)."""
     import ray
 
     return {
         "date": date.today().isoformat(),
+        "commit": code_commit(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
         "torch": torch.__version__,
         "ray": ray.__version__,

@@ -119,12 +119,75 @@ def _command(script: str, args: dict[str, Any]) -> str:
     return " ".join(words)
 
 
+def _at(m: dict[str, Any]) -> str:
+    """Where a result says it was measured: `` at commit `abc` `` or nothing."""
+    return f" at commit `{m['commit']}`" if "commit" in m else " (commit not recorded)"
+
+
 def _provenance(meta: str, script: str, raw: str) -> str:
     m = _json(meta)
     return (
-        f"Measured {m['date']} on {m['machine']}, torch {m['torch']}, Ray {m['ray']}. "
+        f"Measured {m['date']}{_at(m)} on {m['machine']}, torch {m['torch']}, "
+        f"Ray {m['ray']}. "
         f"Command: `{_command(script, m['args'])}`. Raw data: `benchmarks/results/{raw}`."
     )
+
+
+# --- provenance of every result ------------------------------------------------------------
+def result_files() -> list[Path]:
+    """Every stored result that carries its own metadata (the JSON files)."""
+    return sorted(RESULTS.glob("*.json"))
+
+
+def _meta(path: Path) -> dict[str, Any]:
+    d = json.loads(path.read_text())
+    return d if isinstance(d, dict) else {}
+
+
+def results_table() -> str:
+    """When and on which commit each stored result was measured."""
+    rows = [
+        [
+            f"`{p.name}`",
+            _meta(p).get("date", "not recorded"),
+            f"`{_meta(p)['commit']}`" if "commit" in _meta(p) else "not recorded",
+        ]
+        for p in result_files()
+    ]
+    return _table(["result", "measured", "commit"], rows)
+
+
+def package_commits_since(commit: str) -> int | None:
+    """Commits that changed ``ray_ps_plugin/`` after ``commit`` (None: unknown)."""
+    import subprocess
+
+    base = commit.removesuffix("-dirty")
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-list", "--count", f"{base}..HEAD", "--", "ray_ps_plugin"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return int(out) + (1 if commit.endswith("-dirty") else 0)
+
+
+def staleness_report() -> list[str]:
+    """One line per result: how many package commits came after its measurement."""
+    lines = []
+    for p in result_files():
+        commit = _meta(p).get("commit")
+        since = package_commits_since(commit) if commit else None
+        if commit is None:
+            lines.append(f"{p.name}: commit not recorded")
+        elif since is None:
+            lines.append(f"{p.name}: measured at {commit}, not in this checkout's history")
+        else:
+            lines.append(f"{p.name}: measured at {commit}, {since} package commit(s) since")
+    return lines
 
 
 # --- step time (benchmarks/step_time.py) -------------------------------------------------
@@ -207,6 +270,32 @@ def straggler_table() -> str:
     return _provenance("straggler", "straggler", "straggler.json") + "\n\n" + _table(header, rows)
 
 
+def straggler_phase_table() -> str:
+    """Rank 0's step split into phases, median over its steps, last round."""
+    last = _json("straggler")["rounds"][-1]
+    phases = ["forward", "backward", "ps_before_step", "optimizer", "ps_after_step", "ps_wait"]
+    rows = [
+        [
+            _label(k),
+            *(f"{last[k]['phase_ms'][0][ph]:.1f}" for ph in phases),
+            f"{last[k]['median_step_ms'][0]:.1f}",
+        ]
+        for k in last
+        if "phase_ms" in last[k]
+    ]
+    header = [
+        "variant (rank 0)",
+        "forward",
+        "backward",
+        "plugin before step",
+        "optimizer",
+        "plugin after step",
+        "of which waiting",
+        "whole step",
+    ]
+    return "Milliseconds, median over rank 0's steps in the last round.\n\n" + _table(header, rows)
+
+
 def straggler_ratio(key: str) -> str:
     """Throughput over DDP's (with a straggler: over DDP's with one), e.g. ``1.89×``."""
     return _x(_json("straggler")["throughput_ratio_to_ddp"][key])
@@ -241,14 +330,21 @@ def digits_table() -> str:
     d = _json("straggler")
     curves = d["curves"]
     fastest = min(curves, key=lambda m: curves[m][-1][0])
+    calm = d.get("final_digits_accuracy_no_straggler", {})
     rows = [
-        [m, _bold(f"{c[-1][0]:.1f} s", m == fastest), f"{d['final_digits_accuracy'][m]:.3f}"]
+        [
+            m,
+            _bold(f"{c[-1][0]:.1f} s", m == fastest),
+            f"{d['final_digits_accuracy'][m]:.3f}",
+            f"{calm[m]:.3f}" if m in calm else "not measured",
+        ]
         for m, c in curves.items()
     ]
     header = [
         "mode",
-        f"rank 0's {d['args']['digits_steps']} steps took",
-        "final test accuracy (rank 0)",
+        f"rank 0's {d['args']['digits_steps']} steps took (straggler)",
+        "final test accuracy (rank 0), straggler",
+        "without straggler",
     ]
     return _table(header, rows)
 
@@ -400,8 +496,13 @@ def curve_rss(file: str, params_m: str, workers: str) -> str:
 
 
 # --- ResNet-18 (benchmarks/resnet18.py) --------------------------------------------------
+def _resnet_rows() -> list[dict[str, Any]]:
+    d = _json("resnet18")
+    return d["rows"] if isinstance(d, dict) else d
+
+
 def _resnet(variant: str) -> dict[str, Any]:
-    for row in _json("resnet18"):
+    for row in _resnet_rows():
         if row["variant"] == variant:
             return row
     raise RenderError(f"resnet18.json has no variant {variant!r}")
@@ -417,10 +518,17 @@ def resnet_table() -> str:
             f"{r['median_step_ms']:.0f}",
             f"{r['loss_first']:.3f} → {r['loss_last']:.3f}",
         ]
-        for r in _json("resnet18")
+        for r in _resnet_rows()
     ]
     header = ["variant", "samples/s", "vs DDP", "median step (ms)", "loss, first 5 → last 5 steps"]
-    return "Raw data: `benchmarks/results/resnet18.json`.\n\n" + _table(header, rows)
+    d = _json("resnet18")
+    where = (
+        f"Measured {d['date']}{_at(d)} on {d['machine']}, torch {d['torch']}, Ray {d['ray']}. "
+        f"Command: `{' '.join(['python benchmarks/resnet18.py', *d['args']])}`. "
+        if isinstance(d, dict)
+        else ""
+    )
+    return where + "Raw data: `benchmarks/results/resnet18.json`.\n\n" + _table(header, rows)
 
 
 def resnet_ratio(variant: str) -> str:
@@ -783,6 +891,7 @@ RENDERERS: dict[str, Callable[..., str]] = {
         step_calls,
         straggler_table,
         straggler_ratio,
+        straggler_phase_table,
         straggler_step_ratio,
         straggler_staleness,
         straggler_sleep,
@@ -798,6 +907,7 @@ RENDERERS: dict[str, Callable[..., str]] = {
         curve_rss,
         resnet_table,
         resnet_ratio,
+        results_table,
         net_table,
         net_ratio,
         net_model_table,
@@ -869,7 +979,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--check", action="store_true", help="change nothing; exit 1 if a block is stale"
     )
+    p.add_argument(
+        "--staleness",
+        action="store_true",
+        help="list each result's commit and the package commits made since (changes nothing)",
+    )
     args = p.parse_args(argv)
+    if args.staleness:
+        print("\n".join(staleness_report()))
+        return 0
     try:
         if args.check:
             stale = stale_blocks()

@@ -90,3 +90,31 @@ def test_every_cited_source_file_exists():
             if not ((ROOT / path).is_file() or (ROOT / "ray_ps_plugin" / path).is_file()):
                 missing.append(f"{doc.relative_to(ROOT).as_posix()}: {path}")
     assert not missing, "\n".join(missing)
+
+
+def test_every_result_the_readme_quotes_records_its_commit():
+    """The README's figures come from results that name the code they measured, so
+    ``render_docs.py --staleness`` can tell when the package has moved on since."""
+    rd = _render_docs()
+    read = []
+    original = rd._json
+
+    def recording(name):
+        read.append(name)
+        return original(name)
+
+    rd._json = recording
+    try:
+        rd.render_text((ROOT / "README.md").read_text(), "README.md")
+    finally:
+        rd._json = original
+    assert read, "the README quotes no measured figure"
+    missing = sorted({n for n in read if "commit" not in original(n)})
+    assert not missing, f"results without a recorded commit: {missing}"
+
+
+def test_the_staleness_report_names_every_result():
+    rd = _render_docs()
+    lines = rd.staleness_report()
+    assert len(lines) == len(rd.result_files())
+    assert all(line.startswith(p.name + ":") for line, p in zip(lines, rd.result_files()))
