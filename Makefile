@@ -3,15 +3,21 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench package-check clean
 
-$(VENV)/.installed: pyproject.toml
+# The runtime dependencies only: what a user installs, and all the demo needs.
+$(VENV)/.runtime: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e .
+	touch $@
+
+# Everything the tests, the linters and the benchmarks need on top.
+$(VENV)/.installed: $(VENV)/.runtime
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
-demo: $(VENV)/.installed
+demo: $(VENV)/.runtime
 	$(PY) examples/quickstart.py
 
 test: $(VENV)/.installed
@@ -21,6 +27,9 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check ray_ps_plugin
 	$(VENV)/bin/ruff format --check ray_ps_plugin
 	$(VENV)/bin/mypy
+
+package-check: $(VENV)/.installed
+	bash .ci/package_check
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/step_time.py
