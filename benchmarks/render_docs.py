@@ -214,6 +214,21 @@ def step_time_table() -> str:
     return _provenance("step_time", "step_time", "step_time.json") + "\n\n" + table
 
 
+def _faster_or_slower(ratio: float, lower_wins: bool) -> str:
+    """``7% faster`` / ``12% slower`` (within 1%: ``a tie``)."""
+    pct = abs(ratio - 1) * 100
+    if pct < 1:
+        return "a tie"
+    better = ratio < 1 if lower_wins else ratio > 1
+    return f"{pct:.0f}% {'faster' if better else 'slower'}"
+
+
+def step_compare(variant: str) -> str:
+    """``0.93× DDP's step time (7% faster)``, saying which way it goes."""
+    ratio = _step_ratio(variant)
+    return f"{_x(ratio)} DDP's step time ({_faster_or_slower(ratio, lower_wins=True)})"
+
+
 def step_ratio(variant: str) -> str:
     """Median over rounds of the variant's step time over DDP's, e.g. ``0.86×``."""
     return _x(_step_ratio(variant))
@@ -290,7 +305,7 @@ def straggler_phase_table() -> str:
         "plugin before step",
         "optimizer",
         "plugin after step",
-        "of which waiting",
+        "waiting, any phase",
         "whole step",
     ]
     return "Milliseconds, median over rank 0's steps in the last round.\n\n" + _table(header, rows)
@@ -299,6 +314,12 @@ def straggler_phase_table() -> str:
 def straggler_ratio(key: str) -> str:
     """Throughput over DDP's (with a straggler: over DDP's with one), e.g. ``1.89×``."""
     return _x(_json("straggler")["throughput_ratio_to_ddp"][key])
+
+
+def straggler_compare(key: str) -> str:
+    """``1.55× DDP's throughput (55% faster)``, saying which way it goes."""
+    ratio = _json("straggler")["throughput_ratio_to_ddp"][key]
+    return f"{_x(ratio)} DDP's throughput ({_faster_or_slower(ratio, lower_wins=False)})"
 
 
 def straggler_step_ratio(key: str) -> str:
@@ -886,11 +907,13 @@ RENDERERS: dict[str, Callable[..., str]] = {
     for f in (
         step_time_table,
         step_ratio,
+        step_compare,
         round_ms,
         step_bytes,
         step_calls,
         straggler_table,
         straggler_ratio,
+        straggler_compare,
         straggler_phase_table,
         straggler_step_ratio,
         straggler_staleness,
