@@ -39,12 +39,16 @@ def loop(config: dict) -> None:
 
 
 def fit(strategy: str, storage: str) -> dict:
-    return PSTrainer(
-        loop,
-        ps_config=PSConfig(strategy=strategy),
-        scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
-        run_config=RunConfig(storage_path=storage, name=f"smoke-{strategy}"),
-    ).fit().metrics
+    return (
+        PSTrainer(
+            loop,
+            ps_config=PSConfig(strategy=strategy),
+            scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
+            run_config=RunConfig(storage_path=storage, name=f"smoke-{strategy}"),
+        )
+        .fit()
+        .metrics
+    )
 
 
 def main() -> None:
@@ -54,14 +58,12 @@ def main() -> None:
         ps, ddp = fit("ps", storage), fit("ddp", storage)
     ray.shutdown()
     assert ps["module_file"].startswith(INSTALLED), ps["module_file"]
-    diff = max(
-        abs(a - b)
-        for pa, pb in zip(ps["weights"], ddp["weights"])
-        for a, b in zip(pa, pb)
-    )
+    diff = max(abs(a - b) for pa, pb in zip(ps["weights"], ddp["weights"]) for a, b in zip(pa, pb))
     assert diff < 1e-5, diff
-    print(f"wheel smoke: trained from {os.path.dirname(ps['module_file'])}; "
-          f"sync PS vs DDP max difference {diff:.1e}")
+    print(
+        f"wheel smoke: trained from {os.path.dirname(ps['module_file'])}; "
+        f"sync PS vs DDP max difference {diff:.1e}"
+    )
 
 
 if __name__ == "__main__":
