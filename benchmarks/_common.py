@@ -42,8 +42,8 @@ def digits_split(seed: int = 0) -> tuple[torch.Tensor, ...]:
 
 
 def code_commit() -> str:
-    """The commit the benchmark runs (``-dirty`` when the package or the benchmarks
-    differ from it), or ``"unknown"`` outside a git checkout."""
+    """The commit the benchmark runs (``-dirty`` when the package, the benchmarks or
+    the examples differ from it), or ``"unknown"`` outside a git checkout."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
     def git(*args: str) -> str:
@@ -53,7 +53,12 @@ def code_commit() -> str:
 
     try:
         commit = git("rev-parse", "--short=12", "HEAD")
-        dirty = git("status", "--porcelain", "--", "ray_ps_plugin", "benchmarks", "examples")
+        # Stored results are outputs, not code: a run that follows another before
+        # its results are committed still measures the commit.
+        dirty = git(
+            "status", "--porcelain", "--", "ray_ps_plugin", "benchmarks", "examples",
+            ":(exclude)benchmarks/results",
+        )
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return commit + ("-dirty" if dirty else "")
