@@ -4,6 +4,7 @@ Checks that the package (driver and Ray workers alike) comes from the install, a
 that a two-worker sync PS fit ends with DDP's parameters.
 """
 
+import json
 import os
 import sys
 import tempfile
@@ -35,20 +36,24 @@ def loop(config: dict) -> None:
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
     weights = [p.detach().flatten().tolist() for p in model.module.parameters()]
-    ray.train.report({"module_file": pkg.__file__, "weights": weights})
+    if ray.train.get_context().get_world_rank() == 0:
+        # Result.metrics in Train V2 holds only metrics reported with a checkpoint.
+        with open(config["out"], "w") as f:
+            json.dump({"module_file": pkg.__file__, "weights": weights}, f)
+    ray.train.report({"done": 1})
 
 
 def fit(strategy: str, storage: str) -> dict:
-    return (
-        PSTrainer(
-            loop,
-            ps_config=PSConfig(strategy=strategy),
-            scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
-            run_config=RunConfig(storage_path=storage, name=f"smoke-{strategy}"),
-        )
-        .fit()
-        .metrics
-    )
+    out = os.path.join(storage, f"{strategy}.json")
+    PSTrainer(
+        loop,
+        train_loop_config={"out": out},
+        ps_config=PSConfig(strategy=strategy),
+        scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
+        run_config=RunConfig(storage_path=storage, name=f"smoke-{strategy}"),
+    ).fit()
+    with open(out) as f:
+        return json.load(f)
 
 
 def main() -> None:
