@@ -246,7 +246,9 @@ class ParamClient(ClientBase):
         # SGD and DDP take (Ray's linear example did). The install shares one pass
         # over the parameters with taking the delta, so it comes before the push;
         # the previous reply's output segment is not the one this push answers in.
-        self._advance(previous, self._clock % 2)
+        # A reply ssp already installed before the forward pass is ``_base`` now:
+        # it is neither installed nor counted a second time.
+        self._advance(None if self._installed else previous, self._clock % 2)
         self._clock += 1
         slot = self._clock % 2
         wired = len(self._lanes) < self.num_shards
