@@ -7,7 +7,11 @@ change) and logs a warning; ``"ignore"`` does nothing, like DDP.
 Where the check happens depends on the mode. In sync mode every worker holds the
 same summed gradient, so the communication thread checks the sums it receives and
 every worker reaches the same decision. In async/ssp mode each worker checks its own
-gradients before its optimizer steps; a skipped step pushes an empty delta.
+step: with ``"skip"`` its gradients before the optimizer steps (a skipped step must
+leave the optimizer's state alone, and pushes an empty delta); with ``"raise"`` the
+update the optimizer made, inside the pass that takes it for the push (a NaN or Inf
+gradient turns into a NaN or Inf update under every torch optimizer), before
+anything reaches the shards. That saves the fast worker a pass over its gradients.
 """
 
 import logging
@@ -106,9 +110,24 @@ class NonFiniteGuard:
         if not bad:
             return
         where = "summed over all workers" if not self._check_local else "of this worker"
+        self._act(step, f"the gradient {where}")
+
+    def check_update(self, step: int, finite: bool) -> None:
+        """Raises if this worker's update (its optimizer step) was not finite.
+
+        Async/ssp with ``policy="raise"`` check the update instead of the gradients
+        (see the module docstring); the update has not reached any shard yet.
+
+        Raises:
+            PSError: If ``finite`` is False.
+        """
+        if not finite and self.policy == "raise":
+            self._act(step, "the update of this worker (its optimizer step)")
+
+    def _act(self, step: int, what: str) -> None:
         if self.policy == "raise":
             raise PSError(
-                f"rank {self._rank}: step {step}: the gradient {where} holds NaN or Inf "
+                f"rank {self._rank}: step {step}: {what} holds NaN or Inf "
                 "(PSConfig.nan_policy='raise'). Lower the learning rate, clip gradients, "
                 "or set nan_policy='skip' to drop such steps."
             )
@@ -116,10 +135,10 @@ class NonFiniteGuard:
             p.grad = None  # torch optimizers leave parameters without a gradient alone
         self.skipped += 1
         logger.warning(
-            "rank %d: step %d: the gradient %s holds NaN or Inf; step skipped "
+            "rank %d: step %d: %s holds NaN or Inf; step skipped "
             "(PSConfig.nan_policy='skip', %d skipped so far).",
             self._rank,
             step,
-            where,
+            what,
             self.skipped,
         )

@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from ray_ps_plugin._errors import PSTimeoutError
+from ray_ps_plugin._errors import PSError, PSTimeoutError
 from ray_ps_plugin._param.client import ParamClient
 from ray_ps_plugin._param.layout import pieces as _pieces, split_bounds
 
@@ -375,3 +375,27 @@ def test_a_model_smaller_than_the_shard_count_trains_through_shared_memory(loop)
         ref_opt.step()
     for m in models:
         torch.testing.assert_close(_flat(m), _flat(template), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["object-store", "shared-memory"])
+def test_a_nan_update_raises_before_it_reaches_any_shard(loop, shared):
+    """nan_policy='raise' (the default) checks the update inside the delta pass: a
+    NaN gradient fails the step naming rank and clock, and no shard applies it."""
+    servers, _, models, clients = _setup(loop, 2, shards=2, staleness=None, shared=shared)
+    model, client = models[0], clients[0]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = torch.randn(4, 5), torch.randn(4, 3)
+    _sgd_step(model, opt, client, x, y)
+    client.flush()
+    on_shards = [s._models[0].params.clone() for s in servers]
+    client.before_forward()
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    next(model.parameters()).grad[0, 0] = float("nan")
+    client.before_step()  # the gradients are not scanned before the step any more
+    opt.step()
+    with pytest.raises(PSError, match=r"rank 0: step 2: the update of this worker .* NaN"):
+        client.after_step()
+    for s, before in zip(servers, on_shards):
+        assert s._models[0].clocks[0] == 1
+        torch.testing.assert_close(s._models[0].params, before, atol=0, rtol=0)
