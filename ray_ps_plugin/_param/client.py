@@ -79,9 +79,7 @@ class ParamClient(ClientBase):
     def __init__(self, setup: ClientSetup, transport: Transport) -> None:
         # With "raise" the update is checked inside the delta pass (see _advance),
         # not the gradients before the step: one pass over the parameters fewer.
-        super().__init__(
-            setup, setup.num_shards, check_local=setup.settings.nan_policy != "raise"
-        )
+        super().__init__(setup, setup.num_shards, check_local=setup.settings.nan_policy != "raise")
         self._codec = Codec(setup.settings.compression)
         self._staleness = staleness_bound(setup.settings)
         self._transport = transport
