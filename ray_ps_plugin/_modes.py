@@ -16,6 +16,7 @@ from ray_ps_plugin._param.client import ParamClient
 from ray_ps_plugin._param.shard import ParamShard
 from ray_ps_plugin._shard import ShardBase
 from ray_ps_plugin._sync.client import SumClient
+from ray_ps_plugin._sync.layout import SHARD_MAX_CONCURRENCY
 from ray_ps_plugin._sync.setup import connect_shards
 from ray_ps_plugin._sync.shard import SumShard
 from ray_ps_plugin._transport import Transport
@@ -37,6 +38,8 @@ class ModeSpec:
         connect: Run start-up after every shard is ready, given the shard actors,
             each worker's and each shard's node id and the config; what it returns
             reaches every client as ``ClientSetup.topology``.
+        max_concurrency: The shard actor's ``max_concurrency``: how many of its
+            calls may be pending at once.
     """
 
     shard_cls: type[ShardBase]
@@ -44,6 +47,7 @@ class ModeSpec:
     build_client: Callable[[ClientSetup, Transport], ClientBase]
     uses_reducer: bool
     connect: Callable[[Sequence[Any], Sequence[str], Sequence[str], RunSettings], Any] | None = None
+    max_concurrency: int = 1000
 
 
 _SUM = ModeSpec(
@@ -52,12 +56,17 @@ _SUM = ModeSpec(
     build_client=SumClient.build,
     uses_reducer=True,
     connect=connect_shards,
+    max_concurrency=SHARD_MAX_CONCURRENCY,
 )
 _PARAM = ModeSpec(
     shard_cls=ParamShard,
     shard_args=lambda cfg: (staleness_bound(cfg), cfg.ps_timeout_s, cfg.compression),
     build_client=ParamClient.build,
     uses_reducer=False,
+    # A worker has at most one push (or pull) per model in flight, so W workers with
+    # M models hold at most W * M calls; Ray's default for asyncio actors (1000)
+    # leaves room for the pings and stats calls besides.
+    max_concurrency=1000,
 )
 
 MODE_SPECS: dict[Mode, ModeSpec] = {"sync": _SUM, "async": _PARAM, "ssp": _PARAM}

@@ -32,7 +32,6 @@ from ray_ps_plugin._ray_compat import (
     worker_placement_group,
     worker_places,
 )
-from ray_ps_plugin._sync.layout import SHARD_MAX_CONCURRENCY
 from ray_ps_plugin._types import (
     COMPRESSIONS,
     DATA_PATHS,
@@ -310,7 +309,7 @@ class PSBackend(TorchBackend):
                     num_cpus=0,
                     scheduling_strategy=strategy,
                     max_restarts=0,
-                    max_concurrency=SHARD_MAX_CONCURRENCY,
+                    max_concurrency=MODE_SPECS[cfg.mode].max_concurrency,
                 ).remote(i, num_workers, *args)
             )
         try:
