@@ -14,9 +14,6 @@ Variants (run in alternation within each round, so drifts hit them alike):
 - ``ps_sync_bf16``: the same with ``compression="bf16"``.
 - ``ps_sync_store`` / ``ps_sync_bf16_store``: the same through Ray's object store
   (``data_path="object_store"``), the other data path measured.
-- ``ps_sync_raycall``: direct path, but a worker tells the shards of its own node
-  about its chunks in shared memory with Ray calls instead of a frame on their
-  data-path socket (what the socket notices save).
 - ``ps_sync_noagg``: direct path, but every worker pushes for itself
   (``node_aggregation=False``).
 - ``ps_sync_node`` / ``ps_sync_worker``: one shard per node / per worker
@@ -84,8 +81,6 @@ VARIANTS: dict[str, tuple[dict[str, Any], str | None, bool]] = {
         True,
     ),
     "ps_sync_noagg": ({"strategy": "ps", "node_aggregation": False}, None, True),
-    # Same config as ps_sync; bench_loop sets RAY_PS_PLUGIN_LOCAL_NOTICES=ray.
-    "ps_sync_raycall": ({"strategy": "ps", "mode": "sync"}, None, True),
     "ps_sync_256kib": ({"strategy": "ps", "chunk_bytes": 1 << 18}, None, True),
     "ps_sync_512kib": ({"strategy": "ps", "chunk_bytes": 1 << 19}, None, True),
     "ps_sync_1mib": ({"strategy": "ps", "chunk_bytes": 1 << 20}, None, True),
@@ -127,9 +122,6 @@ def bench_loop(config: dict[str, Any]) -> None:
     """Times the reference MLP's steps; rank 0 reports every worker's placement."""
     import torch.distributed as dist
 
-    if config["name"] == "ps_sync_raycall":
-        # Read when prepare_model builds the client, in this worker process.
-        os.environ["RAY_PS_PLUGIN_LOCAL_NOTICES"] = "ray"
     ifname = config["ifname"]
     start: dict[str, int | None] = {}
     model, times = _common.prepared_mlp_steps(

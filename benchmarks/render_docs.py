@@ -572,7 +572,8 @@ NET_LABELS = {
     "ps_sync_4mib": "PS sync, `chunk_bytes=4 MiB`",
     "ps_sync_16mib": "PS sync, `chunk_bytes=16 MiB`",
     "ps_sync_worker": 'PS sync, `server_placement="worker"`',
-    "ps_sync_raycall": "PS sync, shared-memory notices as Ray calls",
+    # Measured before the switch that produced it was removed (the earlier design).
+    "ps_sync_raycall": "PS sync, shared-memory notices as Ray calls (earlier design)",
     "compute": "compute only (no synchronisation)",
 }
 NET_BASES = {"ddp": "DDP", "ddp_bf16": "DDP + bf16 hook"}

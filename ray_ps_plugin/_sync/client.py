@@ -23,7 +23,6 @@ step or forward pass, so no step is ever taken on a failed sum.
 # No ``from __future__ import annotations`` here: DDP inspects the hook's
 # annotations at register time and refuses string annotations.
 import logging
-import os
 import queue
 import threading
 import time
@@ -48,11 +47,6 @@ if TYPE_CHECKING:
 __all__ = ["SumClient"]
 
 logger = logging.getLogger(__name__)
-
-#: Set to ``"ray"`` in a worker's environment to send the notices for shards of its
-#: node as Ray calls even where the direct path exists: only for measuring what the
-#: socket notices save (``benchmarks/net_step_time.py``, variant ps_sync_raycall).
-NOTICES_ENV = "RAY_PS_PLUGIN_LOCAL_NOTICES"
 
 
 def _np_dtype(t: torch.Tensor) -> str:
@@ -105,8 +99,8 @@ class SumClient(ClientBase):
             Route(s, direct=s in setup.remote_shards) for s in range(layout.num_shards)
         ]
         self._wire = wire
-        # Where this worker sends its notices for shards of its node, when not Ray.
-        self._notices = wire if os.environ.get(NOTICES_ENV) != "ray" else None
+        # Where this worker sends its notices for shards of its node (None: Ray calls).
+        self._notices = wire
         self._codec = Codec(setup.settings.compression)
         self._stream_offset = 0
         self._round: list[torch.futures.Future[torch.Tensor]] = []  # this step's futures
@@ -259,8 +253,8 @@ class SumClient(ClientBase):
                 if self._notices is not None and self._notices.reaches(target):
                     # A Ray call and its reply sit at the start and at the end of the
                     # step's transfer, where on a loaded machine they cost far more
-                    # than a frame on this open socket (docs/benchmarks.md: the
-                    # ps_sync_raycall row).
+                    # than a frame on this open socket (docs/benchmarks.md, 2 nodes ×
+                    # 2 workers, 1 Gbit/s).
                     call = self._notices.push_local(
                         target, self.model_id, step, self.rank, dtype, chunks
                     )
