@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ray_ps_plugin import _runtime
+from ray_ps_plugin import _runtime, _torch_compat
 from ray_ps_plugin._modes import MODE_SPECS
 from ray_ps_plugin._transport import RayTransport
 
@@ -73,6 +73,16 @@ def check_supported(module: torch.nn.Module) -> None:
         )
 
 
+if _torch_compat.missing_names():  # pragma: no cover - only on an unchecked torch
+    logger.warning(
+        "torch %s lacks %s, which ray_ps_plugin was checked against (torch %s): a "
+        "built-in DDP communication hook may not be refused on a PS model.",
+        torch.__version__,
+        ", ".join(_torch_compat.missing_names()),
+        _torch_compat.CHECKED_TORCH_VERSION,
+    )
+
+
 class PSDistributedDataParallel(DistributedDataParallel):
     """``DistributedDataParallel`` whose synchronisation goes through the servers.
 
@@ -112,6 +122,8 @@ class PSDistributedDataParallel(DistributedDataParallel):
         self._refuse_comm_hook(getattr(hook, "__qualname__", repr(hook)))
         super().register_comm_hook(state, hook)
 
+    # torch-private (_torch_compat.BUILTIN_COMM_HOOK_METHOD): the path of DDP's
+    # built-in C++ hooks, which register_comm_hook does not see.
     def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
         self._refuse_comm_hook(str(comm_hook_type))
         super()._register_builtin_comm_hook(comm_hook_type)
@@ -136,7 +148,7 @@ class PSDistributedDataParallel(DistributedDataParallel):
         state = super().__getstate__()
         state["_ps_client"] = None
         state["_ps_owns_comm"] = False
-        state["_comm_hooks"] = []
+        _torch_compat.drop_comm_hooks(state)
         return state
 
 

@@ -3,10 +3,12 @@
 BytePS moves intra-machine traffic through shared memory and keeps the network for
 traffic between machines; this module is that idea for a worker and a colocated
 shard. The bulk data (gradient chunks, sums, deltas, parameters) is written into a
-segment both processes have mapped, and only a small control message (step, key,
-rank) travels as a Ray actor call. Compared with Ray's object store this saves, per
-message, the object's creation, sealing, reference counting and deletion and one
-or two full copies, which on a small machine cost more than the data itself.
+segment both processes have mapped, and only a small notice of what was written
+(step, keys, rank) travels separately: a Ray actor call, or in sync mode a frame on
+the shard's direct TCP socket where the run has one (``_sync/wire.py``). Compared
+with Ray's object store this saves, per message, the object's creation, sealing,
+reference counting and deletion and one or two full copies, which on a small
+machine cost more than the data itself.
 
 A segment is an anonymous ``memfd``: it never has a name in a file system, so a
 process killed at any moment cannot leave it behind; the kernel frees the memory

@@ -4,7 +4,9 @@ A worker makes non-blocking calls to shard actors (:meth:`Transport.call`) and l
 waits for their results with a bound (:meth:`Transport.wait`). Shards on the
 worker's own node can also be reached through shared memory: a :class:`Lane` holds
 the worker's input segment and the shard's output segments, and only a small
-control call travels through Ray. Unit tests substitute a fake transport that runs
+notice of what was written travels separately (a Ray call through
+:meth:`Transport.call`, or in sync mode a frame on the direct TCP path where the run
+has one). Unit tests substitute a fake transport that runs
 real shard objects on an in-process event loop.
 """
 

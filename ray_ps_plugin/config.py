@@ -94,8 +94,10 @@ class PSConfig(TorchConfig):
             master parameters in the model's dtype (at least fp32); shared memory
             carries full precision.
         shared_memory: Whether a worker exchanges data with the shards of its own
-            node through shared memory (only a small control message per chunk goes
-            through Ray), as BytePS does within a machine. Turn it off to force every
+            node through shared memory, as BytePS does within a machine: only a
+            notice naming what was written travels separately (sync: one per bucket
+            and shard, a Ray call or a frame on the direct TCP path where the run
+            has one; async/ssp: one Ray call per step and shard). Turn it off to force every
             byte of a node's own shards through the object store (e.g. to compare).
         server_placement: ``"auto"`` (the default): one shard per node when a sync
             run spans several nodes and some node has several workers (its shard

@@ -1,0 +1,42 @@
+"""Every torch-private name the plugin relies on still exists where _torch_compat says.
+
+A torch release that renames one fails here, by name, rather than by letting a
+communication hook bypass the shards.
+"""
+
+import socket
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from ray_ps_plugin import _ddp, _torch_compat
+
+
+def test_checked_against_the_installed_torch():
+    assert torch.__version__.split("+")[0] == _torch_compat.CHECKED_TORCH_VERSION, (
+        "torch changed: re-check every name in ray_ps_plugin/_torch_compat.py, then bump "
+        "CHECKED_TORCH_VERSION"
+    )
+
+
+def test_the_private_names_exist_and_the_subclass_overrides_the_hook_method():
+    assert _torch_compat.missing_names() == []
+    name = _torch_compat.BUILTIN_COMM_HOOK_METHOD
+    assert name in vars(_ddp.PSDistributedDataParallel), "the override was renamed"
+
+
+def test_a_ddp_keeps_its_hooks_under_the_attribute_that_is_dropped_on_pickling():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(torch.nn.Linear(2, 2))
+        ddp.register_comm_hook(None, lambda state, bucket: torch.futures.Future())
+        assert len(getattr(ddp, _torch_compat.COMM_HOOKS_ATTR)) == 1
+        state = ddp.__getstate__()
+        _torch_compat.drop_comm_hooks(state)
+        assert state[_torch_compat.COMM_HOOKS_ATTR] == []
+    finally:
+        dist.destroy_process_group()
