@@ -26,6 +26,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -167,13 +168,7 @@ class SumClient(ClientBase):
         """DDP communication hook: push this bucket's chunks, return the sum's future."""
         buf = bucket.buffer()
         if bucket.index() == 0:
-            # Buckets come in index order; index 0 opens a new synchronisation round.
-            self._stream_offset = 0
-            with self._lock:
-                self._stats.steps += 1
-                self._stats.clock = self._stats.steps
-            self._round = []
-            self._queue_error_check()
+            self._open_round()
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         self._round.append(fut)
         if buf.numel() == 0:
@@ -184,42 +179,85 @@ class SumClient(ClientBase):
         pieces = self._layout.cut(self._stream_offset, buf.numel(), buf.element_size())
         self._stream_offset += buf.numel() * buf.element_size()
         routes = [self._routes[p.shard] for p in pieces]
-        remote = [p for p, r in zip(pieces, routes) if r.target not in self._lanes]
-        dtype = _np_dtype(buf)
-        # Workers divide by the world size before pushing, as DDP's all-reduce hook
-        # does. A CPU chunk bound for shared memory is divided straight into it (one
-        # pass instead of two); a GPU bucket is divided on the device and staged.
-        # A CPU chunk for the network is divided in place just before it is sent, so
-        # the first bytes leave while later chunks are still being divided.
-        staged = host = None
-        if buf.is_cuda:
-            buf.div_(self.world_size)
-            staged = buf.cpu() if len(remote) < len(pieces) else None
-            host = self._codec.encode(buf) if remote else None  # one host copy
+        handles: list[Any] = [None] * len(pieces)
+        staged, host = self._stage(buf, pieces, routes)
+        # Chunks for other nodes first: their pushes only enter a queue, and the
+        # network is the slow part. Then one notice per shard of this node.
+        local = self._push_remote(step, buf, host, pieces, routes, handles)
+        calls = self._push_local(step, buf, staged, pieces, local, handles)
+        remote = len(pieces) - sum(len(indices) for indices in local.values())
+        self._count_bucket(buf, pieces, routes, messages=remote + calls)
+        # A CPU bucket summed entirely by one shard of this node (always so under a
+        # relay, which covers the whole stream) lies contiguous in that shard's
+        # output segment: DDP reads it there, and the worker copies nothing.
+        in_place = None
+        if not buf.is_cuda and len(local) == 1 and not remote:
+            (in_place,) = local
+        self._queue.put(_Pending(step, buf, pieces, handles, fut, time.perf_counter(), in_place))
+        return fut
+
+    def _open_round(self) -> None:
+        """Starts a synchronisation round (DDP hands buckets over in index order, so
+        bucket 0 comes first)."""
+        self._stream_offset = 0
+        with self._lock:
+            self._stats.steps += 1
+            self._stats.clock = self._stats.steps
+        self._round = []
+        self._queue_error_check()
+
+    def _stage(
+        self, buf: torch.Tensor, pieces: Sequence[Piece], routes: Sequence[Route]
+    ) -> tuple[torch.Tensor | None, np.ndarray | None]:
+        """Divides a GPU bucket by the world size on the device and stages it on the
+        host: ``(staged, host)``, the full-precision copy for shared memory and the
+        encoded one for the network, each ``None`` where no chunk needs it.
+
+        Workers divide by the world size before pushing, as DDP's all-reduce hook
+        does. A CPU bucket is not staged: a chunk bound for shared memory is divided
+        straight into it (one pass instead of two), a chunk for the network in place
+        just before it is sent, so the first bytes leave while later chunks are
+        still being divided.
+        """
+        if not buf.is_cuda:
+            return None, None
+        remote = sum(1 for r in routes if r.target not in self._lanes)
+        buf.div_(self.world_size)
+        staged = buf.cpu() if remote < len(pieces) else None
         # Compression encodes 16-bit values for the network only: shared memory
         # carries full precision, since no network is involved.
-        wire_itemsize = np.dtype(self._codec.wire_np_dtype(dtype)).itemsize
-        handles: list[Any] = [None] * len(pieces)
-        # Chunks for other nodes first: their pushes only enter a queue, and the
-        # network is the slow part. Then one notice (a frame on the shard's socket
-        # where the run has the direct path, else a Ray call) per shard of this node
-        # for all of the bucket's chunks it gets through shared memory.
+        host = self._codec.encode(buf) if remote else None  # one host copy
+        return staged, host
+
+    def _push_remote(
+        self,
+        step: int,
+        buf: torch.Tensor,
+        host: np.ndarray | None,
+        pieces: Sequence[Piece],
+        routes: Sequence[Route],
+        handles: list[Any],
+    ) -> dict[int, list[int]]:
+        """Sends the chunks for shards without shared memory (on the direct path or
+        as Ray calls) into ``handles``; returns the others' indices per local shard."""
+        dtype = _np_dtype(buf)
         local: dict[int, list[int]] = {}
         for i, (p, route) in enumerate(zip(pieces, routes)):
             if route.target in self._lanes:
                 local.setdefault(route.target, []).append(i)
+                continue
+            # The owner rides along only to a relay (the shard itself by default).
+            relayed = () if route.target == p.shard else (p.shard,)
+            chunk = (
+                self._codec.encode(buf[p.start : p.stop].div_(self.world_size))
+                if host is None
+                else host[p.start : p.stop]
+            )
+            if route.direct and self._wire is not None:
+                handles[i] = self._wire.push(
+                    route.target, self.model_id, step, p.key, self.rank, dtype, chunk
+                )
             else:
-                # The owner rides along only to a relay (the shard itself by default).
-                relayed = () if route.target == p.shard else (p.shard,)
-                if host is None:
-                    chunk = self._codec.encode(buf[p.start : p.stop].div_(self.world_size))
-                else:
-                    chunk = host[p.start : p.stop]
-                if route.direct and self._wire is not None:
-                    handles[i] = self._wire.push(
-                        route.target, self.model_id, step, p.key, self.rank, dtype, chunk
-                    )
-                    continue
                 handles[i] = self._transport.call(
                     route.target,
                     "push_pull",
@@ -231,6 +269,21 @@ class SumClient(ClientBase):
                     dtype,
                     *relayed,
                 )
+        return local
+
+    def _push_local(
+        self,
+        step: int,
+        buf: torch.Tensor,
+        staged: torch.Tensor | None,
+        pieces: Sequence[Piece],
+        local: dict[int, list[int]],
+        handles: list[Any],
+    ) -> int:
+        """Writes the chunks for shards of this node into their shared memory and
+        sends each one notice per group (a frame on the shard's socket where the run
+        has the direct path, else a Ray call); returns the number of notices."""
+        dtype = _np_dtype(buf)
         calls = 0
         for target, indices in local.items():
             lane = self._lanes[target]
@@ -265,23 +318,21 @@ class SumClient(ClientBase):
                 calls += 1
                 for i in group:
                     handles[i] = call  # one reply for all of them
+        return calls
+
+    def _count_bucket(
+        self, buf: torch.Tensor, pieces: Sequence[Piece], routes: Sequence[Route], messages: int
+    ) -> None:
+        """Adds a bucket's bytes per shard and its messages (one per chunk sent
+        elsewhere, one per notice to a shard of this node) to the counters."""
+        wire_itemsize = np.dtype(self._codec.wire_np_dtype(_np_dtype(buf))).itemsize
         with self._lock:
             for p, route in zip(pieces, routes):
                 wired = route.target not in self._lanes
                 self._count_push(
                     route.target, p.numel * (wire_itemsize if wired else buf.element_size())
                 )
-            # Messages: one per chunk sent elsewhere, one per call to a shard of
-            # this node.
-            self._stats.pushes += len(remote) + calls
-        # A CPU bucket summed entirely by one shard of this node (always so under a
-        # relay, which covers the whole stream) lies contiguous in that shard's
-        # output segment: DDP reads it there, and the worker copies nothing.
-        in_place = None
-        if not buf.is_cuda and len(local) == 1 and not remote:
-            (in_place,) = local
-        self._queue.put(_Pending(step, buf, pieces, handles, fut, time.perf_counter(), in_place))
-        return fut
+            self._stats.pushes += messages
 
     def _queue_error_check(self) -> None:
         """Raises a failed round's error from this ``backward()`` itself.
