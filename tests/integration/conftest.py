@@ -47,6 +47,29 @@ def ray_cluster():
     cluster.shutdown()
 
 
+@pytest.fixture(scope="session")
+def equivalence_ddp(ray_cluster, tmp_path_factory):
+    """``loops.equivalence_loop`` under ``PSConfig(strategy="ddp")`` on 2 workers: the
+    DDP reference of test_sync and test_multinode. DDP's maths does not depend on
+    where the workers sit (a sum of two gradients is the same in either order), so
+    one run serves both."""
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+
+    from ray_ps_plugin import PSConfig, PSTrainer
+
+    return PSTrainer(
+        loops.equivalence_loop,
+        train_loop_config={"steps": loops.EQUIVALENCE_STEPS},
+        ps_config=PSConfig(strategy="ddp"),
+        scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
+        run_config=RunConfig(
+            storage_path=str(tmp_path_factory.mktemp("equivalence_ddp")),
+            name="ddp",
+            failure_config=FailureConfig(0),
+        ),
+    ).fit()
+
+
 @pytest.fixture
 def storage(tmp_path):
     return str(tmp_path / "ray_results")

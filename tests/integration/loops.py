@@ -39,6 +39,10 @@ def dataset(n: int = 512) -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(x, y)
 
 
+#: Optimizer updates of the equivalence runs (test_sync, test_multinode).
+EQUIVALENCE_STEPS = 20
+
+
 def equivalence_loop(config: dict[str, Any]) -> None:
     """The kind of loop Ray's docs show, plus the awkward cases DDP users rely on.
 

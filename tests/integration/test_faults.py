@@ -78,7 +78,8 @@ def test_killed_shard_recovers_through_restart_exactly(reference, tmp_path):
 KILLED_TIMEOUT_S = 30.0
 
 
-@pytest.mark.parametrize("mode", ["sync", "ssp", "async"])
+# ssp runs the async client and shard (only the read rule differs), so async covers it.
+@pytest.mark.parametrize("mode", ["sync", "async"])
 def test_killed_shard_without_retries_fails_fast_naming_the_shard(tmp_path, mode):
     with pytest.raises(TrainingFailedError, match=r"server shard\(s\) \[1\] failed") as info:
         _fit(tmp_path, f"shard_dies_hard_{mode}", kill_shard=1, kill_step=7,
@@ -102,7 +103,7 @@ def test_killed_shard_in_async_restarts_and_the_new_shards_adopt_the_checkpoint(
     _no_leaks()
 
 
-HUNG_TIMEOUT_S = 8.0
+HUNG_TIMEOUT_S = 5.0
 
 
 def test_hung_shard_fails_every_worker_in_bounded_time_naming_it(tmp_path):
@@ -284,7 +285,9 @@ def test_nan_gradient_skipped_when_asked(tmp_path, mode):
     assert all(torch.isfinite(v).all() for v in state["model"].values())
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+# One mode: DDP's own constructor refuses the mismatch, before any mode-specific
+# code runs (PSDistributedDataParallel's checks before it do not depend on the mode).
+@pytest.mark.parametrize("mode", ["async"])
 def test_models_that_differ_across_workers_fail_at_start(tmp_path, mode):
     t0 = time.monotonic()
     # DDP's constructor compares parameter shapes across ranks before any step.

@@ -14,7 +14,7 @@ from tests.integration import loops
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 SCALING = ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5})
-STEPS = 50
+STEPS = loops.EQUIVALENCE_STEPS
 
 
 def _fit(trainer_cls, storage, name, loop=loops.equivalence_loop, config=None, **kwargs):
@@ -34,12 +34,12 @@ def _max_diff(a, b):
 
 
 @pytest.fixture(scope="module")
-def runs(ray_cluster, tmp_path_factory):
+def runs(ray_cluster, tmp_path_factory, equivalence_ddp):
     """The same loop under stock DDP, strategy='ddp', strategy='ps' and PSConfig in TorchTrainer."""
     storage = str(tmp_path_factory.mktemp("sync"))
     return {
         "stock": _fit(TorchTrainer, storage, "stock"),
-        "ddp": _fit(PSTrainer, storage, "ddp", ps_config=PSConfig(strategy="ddp")),
+        "ddp": equivalence_ddp,
         "ps": _fit(
             PSTrainer, storage, "ps", ps_config=PSConfig(strategy="ps", chunk_bytes=4096)
         ),
