@@ -322,6 +322,12 @@ def straggler_compare(key: str) -> str:
     return f"{_x(ratio)} DDP's throughput ({_faster_or_slower(ratio, lower_wins=False)})"
 
 
+def straggler_step_compare(key: str) -> str:
+    """``1.15× DDP's step time (15% slower)``: rank 0's median step over DDP's."""
+    ratio = _json("straggler")["rank0_step_ratio_to_ddp"][key]
+    return f"{_x(ratio)} DDP's step time ({_faster_or_slower(ratio, lower_wins=True)})"
+
+
 def straggler_step_ratio(key: str) -> str:
     """Rank 0's median step over DDP's rank 0, e.g. ``0.35×``."""
     return _x(_json("straggler")["rank0_step_ratio_to_ddp"][key])
@@ -917,6 +923,7 @@ RENDERERS: dict[str, Callable[..., str]] = {
         straggler_compare,
         straggler_phase_table,
         straggler_step_ratio,
+        straggler_step_compare,
         straggler_staleness,
         straggler_sleep,
         straggler_rounds,
