@@ -460,7 +460,9 @@ def test_twins_each_learn_their_own_target(runs, mode):
 # --- resume from a checkpoint after a worker died -----------------------------------------
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+# Not ssp1: it resumes through the async client and shard (the same reseed path);
+# a run with a crash and a restart is the matrix's most expensive cell.
+@pytest.mark.parametrize("mode", ["ddp", "sync", "async"])
 def test_resume_loading_after_prepare_model(runs, mode):
     """Rank 1 dies after step 12; the group restarts from the last checkpoint Ray
     Train registered (step 10, or 5), loaded the usual DDP way
