@@ -15,6 +15,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -90,6 +91,7 @@ class ClientBase:
         self._lock = threading.Lock()
         self._stats = PSStats(bytes_pushed_per_shard=[0] * num_shards)
         self._error: BaseException | None = None
+        self._error_tb: TracebackType | None = None
         self._trainable = _trainable_flags(setup.module)
 
     # --- the contract with the runtime (optimizer hooks, forward, context exit) ---
@@ -141,13 +143,16 @@ class ClientBase:
         with self._lock:
             if self._error is None:
                 self._error = error
+                self._error_tb = error.__traceback__
 
     def raise_pending(self) -> None:
         """Raises a kept error; every later call raises it again (the run is broken)."""
         with self._lock:
-            error = self._error
+            error, tb = self._error, self._error_tb
         if error is not None:
-            raise error
+            # Re-raising one object adds every raise's frames to its traceback; each
+            # raise starts again from the original one.
+            raise error.with_traceback(tb)
 
     def check_trainable(self) -> None:
         """Refuses a change of ``requires_grad`` since ``prepare_model``.

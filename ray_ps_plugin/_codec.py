@@ -25,12 +25,13 @@ from ray_ps_plugin._types import Compression
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Codec"]
+__all__ = ["Codec", "as_torch"]
 
 _WIRE: dict[Compression | None, str] = {None: "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
-def _as_torch(arr: np.ndarray) -> torch.Tensor:
+def as_torch(arr: np.ndarray) -> torch.Tensor:
+    """A tensor sharing ``arr``'s memory (read-only arrays from Ray included)."""
     import torch
 
     with warnings.catch_warnings():
@@ -83,7 +84,7 @@ class Codec:
         when uncompressed)."""
         import torch
 
-        t = _as_torch(arr)
+        t = as_torch(arr)
         if self.compression == "bf16":
             t = t.view(torch.bfloat16)
         return t.to(dtype or torch.float32) if self.active else t
@@ -92,7 +93,7 @@ class Codec:
         """Shard side: a fresh wire array of fp32 ``values`` (a copy when uncompressed)."""
         if not self.active:
             return values.copy()
-        return self.encode(_as_torch(values))
+        return self.encode(as_torch(values))
 
     def decode_np(self, arr: np.ndarray, dtype: str = "float32") -> np.ndarray:
         """Shard side: the values of a wire array as ``dtype`` (the array itself when

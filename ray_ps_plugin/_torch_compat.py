@@ -4,7 +4,9 @@ The plugin subclasses torch's ``DistributedDataParallel`` and relies on two of i
 private members: the method through which DDP registers its built-in (C++)
 communication hooks, which the subclass overrides to refuse them on a model the
 shards synchronise, and the attribute holding registered hooks, which a pickled or
-deep-copied model must not carry. (The optimizer step hooks in ``_runtime.py`` are
+deep-copied model must not carry. The sync client also queues a callback on
+autograd's engine (``Variable._execution_engine``, as DDP itself does) to raise a
+failed round's error from ``backward()``. (The optimizer step hooks in ``_runtime.py`` are
 public ``torch.optim`` API.) ``tests/unit/test_torch_compat.py`` checks each name
 against the installed torch, so a release that renames one fails there, by name,
 instead of letting a hook through silently.
@@ -12,8 +14,10 @@ instead of letting a hook through silently.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch.nn.parallel import DistributedDataParallel
 
 __all__ = [
@@ -22,6 +26,7 @@ __all__ = [
     "COMM_HOOKS_ATTR",
     "drop_comm_hooks",
     "missing_names",
+    "queue_autograd_callback",
 ]
 
 CHECKED_TORCH_VERSION = "2.14.1"
@@ -40,9 +45,30 @@ def drop_comm_hooks(state: dict[str, Any]) -> None:
     state[COMM_HOOKS_ATTR] = []
 
 
+def queue_autograd_callback(callback: Callable[[], None]) -> bool:
+    """Runs ``callback`` once the current backward pass has run its whole graph.
+
+    Checked against torch 2.14.1: ``torch.autograd.Variable._execution_engine``
+    (what DDP's reducer uses for the same purpose). Returns False where this torch
+    has no such engine method, or when called outside a backward pass.
+    """
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    queue = getattr(engine, "queue_callback", None)
+    if queue is None:
+        return False
+    try:
+        queue(callback)
+    except RuntimeError:  # not inside a backward pass
+        return False
+    return True
+
+
 def missing_names() -> list[str]:
     """The private names above that this torch's DDP lacks (empty when all exist)."""
     missing = []
     if not callable(getattr(DistributedDataParallel, BUILTIN_COMM_HOOK_METHOD, None)):
         missing.append(f"DistributedDataParallel.{BUILTIN_COMM_HOOK_METHOD}")
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    if not callable(getattr(engine, "queue_callback", None)):
+        missing.append("torch.autograd.Variable._execution_engine.queue_callback")
     return missing

@@ -21,14 +21,13 @@ so small updates are not lost to fp16 rounding.
 from __future__ import annotations
 
 import asyncio
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from ray_ps_plugin._codec import Codec
+from ray_ps_plugin._codec import Codec, as_torch
 from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
 from ray_ps_plugin._shard import ShardBase
 from ray_ps_plugin._shm import Segment, SegmentHandle
@@ -50,13 +49,6 @@ class Reply(NamedTuple):
     params: np.ndarray | None
     clocks: tuple[int, ...]
     slowest: int
-
-
-def _as_tensor(arr: np.ndarray) -> torch.Tensor:
-    with warnings.catch_warnings():
-        # Ray hands arrays over read-only and zero-copy; they are only read.
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(arr)
 
 
 @dataclass
@@ -151,7 +143,7 @@ class ParamShard(ShardBase):
         if state.params is not None:
             return False
         wide = torch.float32 if params.dtype.itemsize < 4 else getattr(torch, params.dtype.name)
-        state.params = _as_tensor(params).to(wide, copy=True)
+        state.params = as_torch(params).to(wide, copy=True)
         state.dtype = params.dtype.name
         state.clocks = [clock] * self.num_workers
         self._bytes_in += params.nbytes
@@ -167,7 +159,7 @@ class ParamShard(ShardBase):
         await self._wait_initialised(state, model, 0)
         assert state.params is not None
         if generation > state.generation:
-            state.params.copy_(_as_tensor(params))
+            state.params.copy_(as_torch(params))
             state.generation = generation
             self._bytes_in += params.nbytes
             async with self._changed:
@@ -274,7 +266,7 @@ class ParamShard(ShardBase):
         if clock <= last:
             self._duplicates += 1  # a retried or duplicated delivery
         elif clock == last + 1:
-            update = _as_tensor(delta) if isinstance(delta, np.ndarray) else delta
+            update = as_torch(delta) if isinstance(delta, np.ndarray) else delta
             if update.shape != state.params.shape:
                 raise ShardProtocolError(
                     f"shard {self.shard_index}: model {model}: rank {rank} pushed "

@@ -40,6 +40,7 @@ from ray_ps_plugin._nonfinite import all_finite
 from ray_ps_plugin._sync.layout import Piece, StreamLayout, plan_layout, relay_groups
 from ray_ps_plugin._sync.topology import Route, Topology
 from ray_ps_plugin._sync.wire import WireStreams
+from ray_ps_plugin._torch_compat import queue_autograd_callback
 from ray_ps_plugin._transport import Lane, Transport, open_lanes, wait_all
 
 if TYPE_CHECKING:
@@ -104,6 +105,7 @@ class SumClient(ClientBase):
         self._notices = wire
         self._codec = Codec(setup.settings.compression)
         self._stream_offset = 0
+        self._warned_no_callback = False
         self._round: list[torch.futures.Future[torch.Tensor]] = []  # this step's futures
         self._queue: queue.Queue[_Pending | None] = queue.Queue()
         self._thread = threading.Thread(
@@ -350,10 +352,15 @@ class SumClient(ClientBase):
                 fut.wait()
             self.raise_pending()
 
-        try:
-            torch.autograd.Variable._execution_engine.queue_callback(check)
-        except Exception:
-            logger.debug("no autograd callback; errors surface at optimizer.step()")
+        if not queue_autograd_callback(check) and not self._warned_no_callback:
+            self._warned_no_callback = True
+            logger.warning(
+                "rank %d: could not queue a callback on autograd's engine (torch %s); a "
+                "failed synchronisation round surfaces at the next step or forward pass "
+                "instead of in backward().",
+                self.rank,
+                torch.__version__,
+            )
 
     def _complete_loop(self) -> None:
         """Completes bucket futures in submission order (the order DDP waits in).

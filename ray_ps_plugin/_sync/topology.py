@@ -123,7 +123,3 @@ class Topology:
         if source < self.num_workers:
             return f"worker {source}"
         return f"the relay of node {source - self.num_workers}"
-
-    def address(self, shard: int) -> tuple[str, int] | None:
-        """The direct data path of ``shard``, if it has one."""
-        return self.addresses[shard] if self.addresses else None

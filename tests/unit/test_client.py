@@ -295,3 +295,21 @@ def test_a_failing_metrics_export_neither_kills_the_thread_nor_the_step(loop):
         torch.testing.assert_close(c.hook(None, FakeBucket(0, torch.ones(10))).wait(), torch.ones(10))
     c.raise_pending()  # nothing kept: a metrics failure is not a training failure
     c.close()
+
+
+def test_a_kept_error_raised_again_does_not_grow_its_traceback(loop):
+    """Every call after a failed round raises the same error; each raise starts from
+    the original traceback instead of piling the earlier raises' frames on it."""
+    (c0, c1), _ = _clients(loop, 2, num_servers=1, total_bytes=80, chunk_bytes=1024)
+    try:
+        raise PSTimeoutError("rank 0: model 0: step 1: a failed round")
+    except PSTimeoutError as e:
+        c0.fail(e)
+    depths = []
+    for _ in range(3):
+        with pytest.raises(PSTimeoutError, match="a failed round") as info:
+            c0.raise_pending()
+        depths.append(len(info.traceback))
+    assert depths[0] == depths[1] == depths[2]
+    c0.close()
+    c1.close()

@@ -40,3 +40,19 @@ def test_a_ddp_keeps_its_hooks_under_the_attribute_that_is_dropped_on_pickling()
         assert state[_torch_compat.COMM_HOOKS_ATTR] == []
     finally:
         dist.destroy_process_group()
+
+
+def test_an_autograd_callback_runs_after_the_whole_backward_pass():
+    ran = []
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+
+    def hook(grad):
+        # Queued during backward; must run after every other gradient is computed.
+        assert _torch_compat.queue_autograd_callback(lambda: ran.append(x.grad is not None))
+        return grad
+
+    y.register_hook(hook)
+    y.sum().backward()
+    assert ran == [True]
+    assert _torch_compat.queue_autograd_callback(lambda: None) is False  # not in backward
