@@ -73,12 +73,14 @@ def check_supported(module: torch.nn.Module) -> None:
         )
 
 
-if _torch_compat.missing_names():  # pragma: no cover - only on an unchecked torch
+_MISSING_TORCH_NAMES = _torch_compat.missing_names()
+if _MISSING_TORCH_NAMES:  # pragma: no cover - only on an unchecked torch
     logger.warning(
         "torch %s lacks %s, which ray_ps_plugin was checked against (torch %s): a "
-        "built-in DDP communication hook may not be refused on a PS model.",
+        "built-in DDP communication hook may not be refused on a PS model, and a "
+        "failed sync round may surface only at the next step.",
         torch.__version__,
-        ", ".join(_torch_compat.missing_names()),
+        ", ".join(_MISSING_TORCH_NAMES),
         _torch_compat.CHECKED_TORCH_VERSION,
     )
 

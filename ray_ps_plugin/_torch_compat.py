@@ -45,15 +45,24 @@ def drop_comm_hooks(state: dict[str, Any]) -> None:
     state[COMM_HOOKS_ATTR] = []
 
 
-def queue_autograd_callback(callback: Callable[[], None]) -> bool:
-    """Runs ``callback`` once the current backward pass has run its whole graph.
+def _engine_queue() -> Callable[[Callable[[], None]], None] | None:
+    """Autograd's ``queue_callback``, or ``None`` where this torch has none.
 
     Checked against torch 2.14.1: ``torch.autograd.Variable._execution_engine``
-    (what DDP's reducer uses for the same purpose). Returns False where this torch
-    has no such engine method, or when called outside a backward pass.
+    (what DDP's reducer uses for the same purpose).
     """
     engine = getattr(torch.autograd.Variable, "_execution_engine", None)
     queue = getattr(engine, "queue_callback", None)
+    return queue if callable(queue) else None
+
+
+def queue_autograd_callback(callback: Callable[[], None]) -> bool:
+    """Runs ``callback`` once the current backward pass has run its whole graph.
+
+    Returns False where this torch has no such engine method (see
+    :func:`_engine_queue`), or when called outside a backward pass.
+    """
+    queue = _engine_queue()
     if queue is None:
         return False
     try:
@@ -64,11 +73,10 @@ def queue_autograd_callback(callback: Callable[[], None]) -> bool:
 
 
 def missing_names() -> list[str]:
-    """The private names above that this torch's DDP lacks (empty when all exist)."""
+    """The private names above that this torch lacks (empty when all exist)."""
     missing = []
     if not callable(getattr(DistributedDataParallel, BUILTIN_COMM_HOOK_METHOD, None)):
         missing.append(f"DistributedDataParallel.{BUILTIN_COMM_HOOK_METHOD}")
-    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
-    if not callable(getattr(engine, "queue_callback", None)):
+    if _engine_queue() is None:
         missing.append("torch.autograd.Variable._execution_engine.queue_callback")
     return missing

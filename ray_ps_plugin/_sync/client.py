@@ -100,9 +100,9 @@ class SumClient(ClientBase):
         self._routes = routes or [
             Route(s, direct=s in setup.remote_shards) for s in range(layout.num_shards)
         ]
+        # The direct path to other nodes' shards; where it exists, the notices for
+        # this node's shards go on it too (else they are Ray calls).
         self._wire = wire
-        # Where this worker sends its notices for shards of its node (None: Ray calls).
-        self._notices = wire
         self._codec = Codec(setup.settings.compression)
         self._stream_offset = 0
         self._warned_no_callback = False
@@ -181,14 +181,15 @@ class SumClient(ClientBase):
         pieces = self._layout.cut(self._stream_offset, buf.numel(), buf.element_size())
         self._stream_offset += buf.numel() * buf.element_size()
         routes = [self._routes[p.shard] for p in pieces]
+        remote = sum(1 for r in routes if r.target not in self._lanes)
+        dtype = _np_dtype(buf)
         handles: list[Any] = [None] * len(pieces)
-        staged, host = self._stage(buf, pieces, routes)
+        staged, host = self._stage(buf, remote, len(pieces))
         # Chunks for other nodes first: their pushes only enter a queue, and the
         # network is the slow part. Then one notice per shard of this node.
-        local = self._push_remote(step, buf, host, pieces, routes, handles)
-        calls = self._push_local(step, buf, staged, pieces, local, handles)
-        remote = len(pieces) - sum(len(indices) for indices in local.values())
-        self._count_bucket(buf, pieces, routes, messages=remote + calls)
+        local = self._push_remote(step, buf, dtype, host, pieces, routes, handles)
+        calls = self._push_local(step, buf, dtype, staged, pieces, local, handles)
+        self._count_bucket(buf, dtype, pieces, routes, messages=remote + calls)
         # A CPU bucket summed entirely by one shard of this node (always so under a
         # relay, which covers the whole stream) lies contiguous in that shard's
         # output segment: DDP reads it there, and the worker copies nothing.
@@ -209,7 +210,7 @@ class SumClient(ClientBase):
         self._queue_error_check()
 
     def _stage(
-        self, buf: torch.Tensor, pieces: Sequence[Piece], routes: Sequence[Route]
+        self, buf: torch.Tensor, remote: int, num_pieces: int
     ) -> tuple[torch.Tensor | None, np.ndarray | None]:
         """Divides a GPU bucket by the world size on the device and stages it on the
         host: ``(staged, host)``, the full-precision copy for shared memory and the
@@ -223,9 +224,8 @@ class SumClient(ClientBase):
         """
         if not buf.is_cuda:
             return None, None
-        remote = sum(1 for r in routes if r.target not in self._lanes)
         buf.div_(self.world_size)
-        staged = buf.cpu() if remote < len(pieces) else None
+        staged = buf.cpu() if remote < num_pieces else None
         # Compression encodes 16-bit values for the network only: shared memory
         # carries full precision, since no network is involved.
         host = self._codec.encode(buf) if remote else None  # one host copy
@@ -235,6 +235,7 @@ class SumClient(ClientBase):
         self,
         step: int,
         buf: torch.Tensor,
+        dtype: str,
         host: np.ndarray | None,
         pieces: Sequence[Piece],
         routes: Sequence[Route],
@@ -242,7 +243,6 @@ class SumClient(ClientBase):
     ) -> dict[int, list[int]]:
         """Sends the chunks for shards without shared memory (on the direct path or
         as Ray calls) into ``handles``; returns the others' indices per local shard."""
-        dtype = _np_dtype(buf)
         local: dict[int, list[int]] = {}
         for i, (p, route) in enumerate(zip(pieces, routes)):
             if route.target in self._lanes:
@@ -277,6 +277,7 @@ class SumClient(ClientBase):
         self,
         step: int,
         buf: torch.Tensor,
+        dtype: str,
         staged: torch.Tensor | None,
         pieces: Sequence[Piece],
         local: dict[int, list[int]],
@@ -285,7 +286,6 @@ class SumClient(ClientBase):
         """Writes the chunks for shards of this node into their shared memory and
         sends each one notice per group (a frame on the shard's socket where the run
         has the direct path, else a Ray call); returns the number of notices."""
-        dtype = _np_dtype(buf)
         calls = 0
         for target, indices in local.items():
             lane = self._lanes[target]
@@ -305,12 +305,12 @@ class SumClient(ClientBase):
                     else:
                         dst.copy_(staged[p.start : p.stop])
                     chunks.append((p.key, p.numel, None if target == p.shard else p.shard))
-                if self._notices is not None and self._notices.reaches(target):
+                if self._wire is not None and self._wire.reaches(target):
                     # A Ray call and its reply sit at the start and at the end of the
                     # step's transfer, where on a loaded machine they cost far more
                     # than a frame on this open socket (docs/benchmarks.md, 2 nodes ×
                     # 2 workers, 1 Gbit/s).
-                    call = self._notices.push_local(
+                    call = self._wire.push_local(
                         target, self.model_id, step, self.rank, dtype, chunks
                     )
                 else:
@@ -323,11 +323,16 @@ class SumClient(ClientBase):
         return calls
 
     def _count_bucket(
-        self, buf: torch.Tensor, pieces: Sequence[Piece], routes: Sequence[Route], messages: int
+        self,
+        buf: torch.Tensor,
+        dtype: str,
+        pieces: Sequence[Piece],
+        routes: Sequence[Route],
+        messages: int,
     ) -> None:
         """Adds a bucket's bytes per shard and its messages (one per chunk sent
         elsewhere, one per notice to a shard of this node) to the counters."""
-        wire_itemsize = np.dtype(self._codec.wire_np_dtype(_np_dtype(buf))).itemsize
+        wire_itemsize = np.dtype(self._codec.wire_np_dtype(dtype)).itemsize
         with self._lock:
             for p, route in zip(pieces, routes):
                 wired = route.target not in self._lanes
