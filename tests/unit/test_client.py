@@ -97,6 +97,70 @@ def test_buckets_come_back_as_the_mean_over_workers(loop, local):
         c.close()
 
 
+@pytest.mark.parametrize("compression", [None, "bf16"])
+@pytest.mark.parametrize(
+    "local",
+    [
+        pytest.param(lambda r, s: False, id="object-store"),
+        pytest.param(lambda r, s: True, id="shared-memory"),
+        pytest.param(lambda r, s: r == s, id="mixed"),
+    ],
+)
+def test_bf16_and_fp32_buckets_of_one_model_come_back_as_their_mean(loop, local, compression):
+    """DDP buckets parameters by dtype: a bf16 bucket and a fp32 bucket of one model
+    share the gradient stream (bf16 trunk, fp32 head). The bf16 mean is the fp32 mean
+    rounded once to bf16, on every path."""
+    world, shards = 2, 2
+    m = torch.nn.Module()
+    m.trunk = torch.nn.Parameter(torch.zeros(1500, dtype=torch.bfloat16))
+    m.head = torch.nn.Parameter(torch.zeros(700))
+    settings = Settings(chunk_bytes=1024, ps_timeout_s=5.0, compression=compression)
+    servers = [SumShard(i, world, 5.0, compression) for i in range(shards)]
+    transport = FakeTransport(loop, servers)
+    clients = [
+        SumClient.build(
+            setup_for(m, r, world, shards, settings, local=[s for s in range(shards) if local(r, s)]),
+            transport,
+        )
+        for r in range(world)
+    ]
+    grads = {
+        r: [
+            torch.randn(1500, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16),
+            torch.randn(700, generator=torch.Generator().manual_seed(10 + r)),
+        ]
+        for r in range(world)
+    }
+    results: dict[int, list[torch.Tensor]] = {}
+
+    def worker(rank):
+        bufs = [g.clone() for g in grads[rank]]
+        futs = [clients[rank].hook(None, FakeBucket(i, b)) for i, b in enumerate(bufs)]
+        results[rank] = [f.wait().clone() for f in futs]
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    bf16_mean = ((grads[0][0].float() / 2) + (grads[1][0].float() / 2)).to(torch.bfloat16)
+    fp32_mean = grads[0][1] / 2 + grads[1][1] / 2
+    for r in range(world):
+        assert results[r][0].dtype == torch.bfloat16
+        assert torch.equal(results[r][0], bf16_mean)
+        if compression is None:
+            torch.testing.assert_close(results[r][1], fp32_mean)
+        else:
+            torch.testing.assert_close(results[r][1], fp32_mean, rtol=1 / 64, atol=1e-2)
+        assert torch.equal(results[r][0], results[0][0]) and torch.equal(results[r][1], results[0][1])
+    stats = clients[0].snapshot()
+    if local(0, 0) == local(0, 1):  # bf16 is 2 bytes on every path; fp32 shrinks on the wire
+        wide = 4 if compression is None or local(0, 0) else 2
+        assert stats.bytes_pushed == 1500 * 2 + 700 * wide
+    for c in clients:
+        c.close()
+
+
 def test_a_bucket_reaches_each_shard_of_its_node_in_one_call(loop):
     """Small chunks (as on the direct path between nodes) must not cost one Ray call
     each where they go through shared memory: one push_local per (bucket, shard)

@@ -214,6 +214,48 @@ def test_constant_gradients_land_exactly_n_times_w_deltas(loop, shared):
         torch.testing.assert_close(_flat(m), start - steps * lr, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["object-store", "shared-memory"])
+def test_bf16_models_train_on_fp32_masters_and_stay_bf16(loop, shared):
+    """bf16 weights in async: every worker ends with the shards' fp32 masters rounded
+    to bf16, and the masters moved by N * W * (lr / W) within bf16's rounding of
+    each worker's step."""
+    world, steps, lr = 2, 12, 0.125
+    models = [m.to(torch.bfloat16) for m in _models(world)]
+    servers, _, models, clients = _setup(
+        loop, world, shards=2, staleness=None, shared=shared, models=models
+    )
+    start = _flat(models[0]).float().clone()
+    opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in models]
+
+    def run(rank):
+        model, client, opt = models[rank], clients[rank], opts[rank]
+        for _ in range(steps):
+            client.before_forward()
+            loss = sum(p.float().sum() for p in model.parameters())  # gradient 1
+            opt.zero_grad()
+            loss.backward()
+            client.before_step()
+            opt.step()
+            client.after_step()
+        client.flush()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for c in clients:
+        c.sync()
+    masters = torch.cat([s._models[0].params for s in servers])
+    assert masters.dtype == torch.float32
+    for m in models:
+        assert all(p.dtype == torch.bfloat16 for p in m.parameters())
+        assert torch.equal(_flat(m), masters.to(torch.bfloat16))
+    # Each bf16 step p - lr is rounded to bf16 on the worker (as under DDP): at most
+    # half a bf16 ulp (|p| <= 3 here: 2**-7) per step.
+    torch.testing.assert_close(masters, start - steps * lr, atol=steps * 2**-7, rtol=0)
+
+
 def test_ssp_waits_for_the_slowest_and_records_no_gap_beyond_the_bound(loop):
     servers, _, models, clients = _setup(loop, 2, shards=1, staleness=1)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]

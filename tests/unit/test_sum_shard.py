@@ -121,6 +121,68 @@ def test_compressed_pushes_sum_in_the_models_dtype(dtype):
     np.testing.assert_array_equal(wired, np.full(4, 4.0, np.float32))
 
 
+@pytest.mark.parametrize("compression", [None, "bf16"])
+def test_a_bfloat16_model_sums_in_fp32_and_answers_bfloat16_on_both_paths(compression):
+    """A bf16 chunk: one worker through shared memory, one on the wire; both read the
+    same bf16 sum, rounded once from an fp32 sum (a bf16 sum would lose the 1/256)."""
+    import torch
+
+    from ray_ps_plugin._codec import Codec, as_torch, to_numpy
+    from ray_ps_plugin._shm import Segment
+
+    n = 6
+    a = torch.tensor([1.0, 2.0, -3.0, 256.0, 1e-3, 1e38]).to(torch.bfloat16)
+    b = torch.tensor([1.0, 0.5, 3.0, 1.0, 1e-3, 1e38]).to(torch.bfloat16)
+    expect = (a.float() + b.float()).to(torch.bfloat16)  # 256 + 1 rounds to 256
+
+    async def main():
+        s = SumShard(0, num_workers=2, timeout_s=5, compression=compression)
+        inputs = Segment.create(2 * n)
+        outs = [Segment.open(h) for h in s.attach(0, 0, inputs.handle, 0, 2 * n)]
+        results = []
+        for step in (1, 2):
+            as_torch(inputs.view(0, np.int16, n)).copy_(a * step)
+            wire = Codec(compression).encode(b * step)
+            local = asyncio.ensure_future(s.push_local(0, step, 0, "bfloat16", [(0, n, None)]))
+            remote = await s.push_pull(0, step, 0, 1, wire, "bfloat16")
+            assert await local is None
+            shared = outs[step % 2].view(0, np.int16, n).copy()
+            results.append((shared, np.asarray(remote).copy()))
+        return results, s.stats()
+
+    results, stats = _run(main())
+    for step, (shared, remote) in zip((1, 2), results):
+        want = to_numpy((a.float() * step + b.float() * step).to(torch.bfloat16))
+        assert remote.dtype == np.int16
+        np.testing.assert_array_equal(shared, want)
+        np.testing.assert_array_equal(remote, want)
+    np.testing.assert_array_equal(results[0][0], to_numpy(expect))
+    assert stats["bytes_in"] == 4 * 2 * n  # 16-bit in both directions
+
+
+def test_a_bfloat16_chunk_begun_before_a_worker_attached_is_answered_in_its_segment():
+    import torch
+
+    from ray_ps_plugin._codec import as_torch, to_numpy
+    from ray_ps_plugin._shm import Segment
+
+    async def main():
+        s = SumShard(0, num_workers=2, timeout_s=5)
+        first = asyncio.ensure_future(
+            s.push_pull(0, 1, 0, 1, to_numpy(torch.ones(4, dtype=torch.bfloat16)), "bfloat16")
+        )
+        await asyncio.sleep(0)
+        inputs = Segment.create(8)
+        outs = [Segment.open(h) for h in s.attach(0, 0, inputs.handle, 0, 8)]
+        as_torch(inputs.view(0, np.int16, 4)).fill_(2.0)
+        await s.push_local(0, 1, 0, "bfloat16", [(0, 4, None)])
+        return as_torch(outs[1].view(0, np.int16, 4)).float().tolist(), (await first).copy()
+
+    shared, remote = _run(main())
+    assert shared == [3.0] * 4
+    np.testing.assert_array_equal(remote, to_numpy(torch.full((4,), 3.0, dtype=torch.bfloat16)))
+
+
 def test_bad_dtype_and_rank_are_refused():
     async def main(dtype, rank):
         s = SumShard(0, num_workers=2, timeout_s=5)

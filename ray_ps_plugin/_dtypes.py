@@ -1,0 +1,80 @@
+"""How model dtypes are held in NumPy arrays, which have no bfloat16.
+
+Shards, shared memory and Ray's object store see tensors as NumPy arrays. float16,
+float32 and float64 map one to one. bfloat16 is held as its raw 16-bit patterns in an
+``int16`` array (Ray ships it zero-copy, shared memory holds it as is, torch views it
+back as ``torch.bfloat16`` without a copy); wherever a shard computes with such
+values it widens them to float32 first. No other part of the package uses ``int16``,
+so an ``int16`` array always means bfloat16 patterns.
+
+The conversions are NumPy only, so a sync shard never imports torch (importing it
+takes most of a shard's start-up). They round as torch does (to nearest, ties to
+even; NaN stays NaN), so a sum rounded on a shard equals the same sum rounded by a
+worker.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = [
+    "BF16_BITS",
+    "MODEL_DTYPES",
+    "bf16_to_f32",
+    "f32_to_bf16",
+    "model_dtype",
+    "storage",
+    "widened",
+]
+
+#: The floating dtypes a model's parameters may have, by name. The order is part of
+#: the direct path's frame format (a frame names its dtype by index).
+MODEL_DTYPES = ("float16", "float32", "float64", "bfloat16")
+
+#: The NumPy dtype that holds bfloat16 values as bit patterns.
+BF16_BITS = np.dtype(np.int16)
+
+# A quiet NaN, as torch rounds any NaN to bfloat16.
+_BF16_NAN = np.int16(0x7FC0)
+
+
+def storage(dtype: str) -> np.dtype:
+    """The NumPy dtype holding values of the model dtype ``dtype``."""
+    return BF16_BITS if dtype == "bfloat16" else np.dtype(dtype)
+
+
+def model_dtype(held: np.ndarray) -> str:
+    """The model dtype whose values the array ``held`` holds (the inverse of :func:`storage`)."""
+    return "bfloat16" if held.dtype == BF16_BITS else held.dtype.name
+
+
+def widened(dtype: str) -> str:
+    """The dtype in which shards compute with values of ``dtype`` (sums, updates)."""
+    return "float32" if dtype == "bfloat16" else dtype
+
+
+def bf16_to_f32(bits: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """The float32 values of bfloat16 patterns (exact: bfloat16 is float32's top half)."""
+    wide = bits.view(np.uint16).astype(np.uint32) << 16
+    if out is None:
+        return wide.view(np.float32)
+    np.copyto(out, wide.view(np.float32))
+    return out
+
+
+def f32_to_bf16(values: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """bfloat16 patterns of ``values`` (float32 or wider), rounded to nearest even."""
+    f32 = values.astype(np.float32, copy=False)
+    u = f32.view(np.uint32)
+    # Adding 0x7FFF plus the lowest kept bit, then dropping the low half, rounds to
+    # nearest with ties to even; an overflow past the largest finite value becomes
+    # Inf, as in torch. Only NaNs could wrap around, and they are set apart below.
+    rounded = ((u + (np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1)))) >> 16).astype(np.uint16)
+    bits = rounded.view(np.int16)
+    nan = np.isnan(f32)
+    if nan.any():
+        bits[nan] = _BF16_NAN
+    if out is None:
+        return bits
+    np.copyto(out, bits)
+    return out
