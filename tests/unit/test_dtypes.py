@@ -29,8 +29,9 @@ def test_shards_round_as_workers_do():
     f = np.finfo(np.float32)
     special = [0.0, -0.0, np.inf, -np.inf, np.nan, f.max, f.tiny / 4, 1.00390625, 1.01171875]
     rng = np.random.default_rng(0)
-    values = np.concatenate([rng.standard_normal(10_000).astype(np.float32) * 1e3,
-                             np.array(special, np.float32)])
+    values = np.concatenate(
+        [rng.standard_normal(10_000).astype(np.float32) * 1e3, np.array(special, np.float32)]
+    )
     held = Codec(None).encode_np(values, "bfloat16")
     assert held.dtype == BF16_BITS
     expect = torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy()
@@ -69,7 +70,5 @@ def test_a_bfloat16_model_travels_as_bfloat16_and_shards_compute_in_fp32(compres
 def test_fp16_compression_on_the_shard_matches_the_workers():
     codec = Codec("fp16")
     x = (np.random.default_rng(1).standard_normal(10_000) * 100).astype(np.float32)
-    np.testing.assert_array_equal(
-        codec.encode_np(x), torch.from_numpy(x).to(torch.float16).numpy()
-    )
+    np.testing.assert_array_equal(codec.encode_np(x), torch.from_numpy(x).to(torch.float16).numpy())
     assert not Codec(None).converts("float16") and Codec(None).converts("bfloat16")

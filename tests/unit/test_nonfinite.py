@@ -5,9 +5,9 @@ import logging
 import pytest
 import torch
 
+from ray_ps_plugin._ddp import check_supported
 from ray_ps_plugin._errors import PSError
 from ray_ps_plugin._nonfinite import NonFiniteGuard
-from ray_ps_plugin._ddp import check_supported
 
 
 def _model_with_grads(bad: bool):

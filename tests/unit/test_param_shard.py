@@ -7,8 +7,8 @@ import pytest
 
 from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
 from ray_ps_plugin._param.shard import ParamShard
-from tests.unit.fakes import LoggedParamShard
 from ray_ps_plugin._shm import Segment
+from tests.unit.fakes import LoggedParamShard
 
 
 def _run(coro):
@@ -54,7 +54,9 @@ def test_a_missing_update_is_an_error_not_a_silent_gap():
         await s.push_pull(0, 0, 1, _arr(1))
         await s.push_pull(0, 0, 3, _arr(1))
 
-    with pytest.raises(ShardProtocolError, match=r"shard 3: model 0: rank 0 .* clock 3 .* 2\.\.2 are missing"):
+    with pytest.raises(
+        ShardProtocolError, match=r"shard 3: model 0: rank 0 .* clock 3 .* 2\.\.2 are missing"
+    ):
         _run(main())
 
 
@@ -117,7 +119,10 @@ def test_ssp_timeout_names_the_slow_worker_and_its_clock():
         await s.init(0, _arr(0))
         await asyncio.gather(s.push_pull(0, 2, 1, _arr(1)), s.push_pull(0, 0, 1, _arr(1)))
 
-    with pytest.raises(ShardTimeoutError, match=r"shard 1: model 0: rank \d at clock 1 .* workers \[1\] \(clocks \{1: 0\}\)"):
+    with pytest.raises(
+        ShardTimeoutError,
+        match=r"shard 1: model 0: rank \d at clock 1 .* workers \[1\] \(clocks \{1: 0\}\)",
+    ):
         _run(main())
 
 
@@ -193,9 +198,7 @@ def test_models_have_their_own_parameters_and_clocks():
     np.testing.assert_array_equal(b.params, _arr(7, 7))
 
 
-@pytest.mark.parametrize(
-    ("model", "rank"), [(0, -1), (0, 2), (-1, 0), (0, True), (0, "0")]
-)
+@pytest.mark.parametrize(("model", "rank"), [(0, -1), (0, 2), (-1, 0), (0, True), (0, "0")])
 def test_ranks_and_models_from_callers_are_validated(model, rank):
     async def main():
         s = ParamShard(0, num_workers=2, staleness=None, timeout_s=5)
@@ -208,6 +211,7 @@ def test_ranks_and_models_from_callers_are_validated(model, rank):
 
 def test_fp16_models_keep_fp32_master_parameters():
     """A step smaller than fp16's resolution at 1.0 still adds up on the shard."""
+
     async def main():
         s = ParamShard(0, num_workers=1, staleness=None, timeout_s=5)
         await s.init(0, np.ones(2, np.float16))

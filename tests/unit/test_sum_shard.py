@@ -17,7 +17,9 @@ def test_every_worker_gets_the_sum_of_all_pushes():
     async def main():
         s = SumShard(shard_index=0, num_workers=3, timeout_s=5)
         chunks = [np.full(4, r + 1.0, dtype=np.float32) for r in range(3)]
-        outs = await asyncio.gather(*(s.push_pull(0, 1, 0, r, chunks[r], "float32") for r in range(3)))
+        outs = await asyncio.gather(
+            *(s.push_pull(0, 1, 0, r, chunks[r], "float32") for r in range(3))
+        )
         return [o.copy() for o in outs], s.stats()
 
     outs, stats = _run(main())
@@ -58,7 +60,9 @@ def test_steps_reuse_buffers_and_keep_results_apart():
         results = []
         for step in range(1, 5):
             a = np.full(2, float(step), dtype=np.float32)
-            outs = await asyncio.gather(s.push_pull(0, step, 0, 0, a, "float32"), s.push_pull(0, step, 0, 1, a, "float32"))
+            outs = await asyncio.gather(
+                s.push_pull(0, step, 0, 0, a, "float32"), s.push_pull(0, step, 0, 1, a, "float32")
+            )
             results.append(outs[0].copy())
         return results
 
@@ -110,7 +114,9 @@ def test_compressed_pushes_sum_in_the_models_dtype(dtype):
         inputs = Segment.create(4 * itemsize)
         outs = [Segment.open(h) for h in s.attach(0, 0, inputs.handle, 0, 4 * itemsize)]
         inputs.view(0, dtype, 4)[:] = 1.5
-        wire = Codec("bf16").encode(__import__("torch").full((4,), 2.5, dtype=getattr(__import__("torch"), dtype)))
+        wire = Codec("bf16").encode(
+            __import__("torch").full((4,), 2.5, dtype=getattr(__import__("torch"), dtype))
+        )
         local = asyncio.ensure_future(s.push_local(0, 1, 0, dtype, [(0, 4, None)]))
         remote = await s.push_pull(0, 1, 0, 1, wire, dtype)
         await local

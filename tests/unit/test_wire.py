@@ -13,7 +13,7 @@ from ray_ps_plugin._codec import Codec
 from ray_ps_plugin._errors import ShardProtocolError
 from ray_ps_plugin._sync.shard import SumShard
 from ray_ps_plugin._sync.topology import Route, Topology
-from ray_ps_plugin._sync.wire import Frame, WireStreams, PUSH
+from ray_ps_plugin._sync.wire import PUSH, Frame, WireStreams
 
 TOKEN = bytes(range(32))
 TWO_BY_TWO = Topology(worker_nodes=(0, 0, 1, 1), shard_nodes=(0, 0, 1, 1))
@@ -56,9 +56,7 @@ async def _cluster(compression=None, timeout_s=5.0):
     """Two 'nodes' with two workers each, one shard per node, wired on loopback."""
     shards = [SumShard(i, 4, timeout_s, compression) for i in range(2)]
     addresses = tuple([await s.open_wire(TOKEN, "127.0.0.1") for s in shards])
-    topo = Topology(
-        worker_nodes=(0, 0, 1, 1), shard_nodes=(0, 1), addresses=addresses, token=TOKEN
-    )
+    topo = Topology(worker_nodes=(0, 0, 1, 1), shard_nodes=(0, 1), addresses=addresses, token=TOKEN)
     for s in shards:
         await s.configure(topo)
     return shards, topo
@@ -139,7 +137,7 @@ def test_a_worker_pushes_to_another_nodes_shard_on_the_direct_path():
                 await asyncio.wrap_future(refused)
             # A connection without the run's token is closed before any push counts.
             intruder = stranger.push(0, 0, 2, 0, 1, "float32", np.ones(4, np.float32))
-            with pytest.raises(ConnectionError, match="shard 0 at 127.0.0.1"):
+            with pytest.raises(ConnectionError, match=r"shard 0 at 127\.0\.0\.1"):
                 await asyncio.wait_for(asyncio.wrap_future(intruder), 5)
             assert shard.stats()["pushes"] == 2
         finally:
@@ -272,7 +270,7 @@ def test_a_closed_server_ends_its_connection_threads_and_fails_the_pushers_waits
             assert len(alive()) == 2
             server.close()
             late = streams.push(0, 0, 2, 0, 1, "float32", data)
-            with pytest.raises(ConnectionError, match="shard 0 at 127.0.0.1"):
+            with pytest.raises(ConnectionError, match=r"shard 0 at 127\.0\.0\.1"):
                 await asyncio.wait_for(asyncio.wrap_future(late), 5)
             deadline = time.monotonic() + 5
             while alive() and time.monotonic() < deadline:
