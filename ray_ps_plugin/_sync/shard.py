@@ -24,7 +24,7 @@ import numpy as np
 
 from ray_ps_plugin._codec import Codec
 from ray_ps_plugin._dtypes import BF16_BITS, bf16_to_f32, storage
-from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
+from ray_ps_plugin._errors import ShardLinkError, ShardProtocolError, ShardTimeoutError
 from ray_ps_plugin._shard import ShardBase
 from ray_ps_plugin._shm import Segment, SegmentHandle
 from ray_ps_plugin._sync.topology import Topology
@@ -439,7 +439,7 @@ class SumShard(ShardBase):
                 slot.wire = answer
         except Exception as e:
             if not isinstance(e, (ShardTimeoutError, ShardProtocolError)):
-                e = ShardProtocolError(
+                e = ShardLinkError(
                     f"shard {self.shard_index}: relaying to shard {slot.owner} failed: {e}"
                 )
             slot.error = e
