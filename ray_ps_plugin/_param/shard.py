@@ -54,7 +54,7 @@ class Reply(NamedTuple):
 
 
 @dataclass
-class _Model:
+class _ParamState:
     """One prepared model's state on this shard."""
 
     num_workers: int
@@ -99,14 +99,14 @@ class ParamShard(ShardBase):
         super().__init__(shard_index, num_workers, timeout_s)
         self._codec = Codec(compression)
         self.staleness = staleness
-        self._models: dict[int, _Model] = {}
+        self._models: dict[int, _ParamState] = {}
         self._changed = asyncio.Condition()
         self._max_read_gap = 0
 
-    def _model(self, model: int) -> _Model:
+    def _model(self, model: int) -> _ParamState:
         state = self._models.get(model)
         if state is None:
-            state = self._models[model] = _Model(self.num_workers)
+            state = self._models[model] = _ParamState(self.num_workers)
         return state
 
     def attach(
@@ -269,7 +269,7 @@ class ParamShard(ShardBase):
 
     async def _push_pull(
         self,
-        state: _Model,
+        state: _ParamState,
         model: int,
         rank: int,
         clock: int,
@@ -306,7 +306,7 @@ class ParamShard(ShardBase):
             )
         return await self._read(state, model, rank, clock, slot)
 
-    async def _wait_initialised(self, state: _Model, model: int, rank: int) -> torch.Tensor:
+    async def _wait_initialised(self, state: _ParamState, model: int, rank: int) -> torch.Tensor:
         if not state.initialised.is_set():
             try:
                 await asyncio.wait_for(state.initialised.wait(), self.timeout_s)
@@ -320,7 +320,7 @@ class ParamShard(ShardBase):
         return state.params
 
     def _lane(
-        self, state: _Model, model: int, rank: int
+        self, state: _ParamState, model: int, rank: int
     ) -> tuple[Segment, tuple[Segment, Segment]]:
         lane = state.lanes.get(rank)
         if lane is None:
@@ -331,7 +331,7 @@ class ParamShard(ShardBase):
         return lane
 
     async def _read(
-        self, state: _Model, model: int, rank: int, clock: int, slot: int | None = None
+        self, state: _ParamState, model: int, rank: int, clock: int, slot: int | None = None
     ) -> Reply:
         if self.staleness is not None:
             need = clock - self.staleness

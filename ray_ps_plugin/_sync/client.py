@@ -38,7 +38,7 @@ from ray_ps_plugin._codec import Codec, as_torch
 from ray_ps_plugin._dtypes import storage
 from ray_ps_plugin._errors import PSError
 from ray_ps_plugin._nonfinite import all_finite
-from ray_ps_plugin._sync.layout import Piece, StreamLayout, plan_layout, relay_groups
+from ray_ps_plugin._sync.layout import Chunk, StreamLayout, plan_layout, relay_groups
 from ray_ps_plugin._sync.topology import Route, Topology
 from ray_ps_plugin._sync.wire import WireStreams
 from ray_ps_plugin._torch_compat import queue_autograd_callback
@@ -61,7 +61,7 @@ def _np_dtype(t: torch.Tensor) -> str:
 class _Pending:
     step: int
     bucket: torch.Tensor
-    pieces: tuple[Piece, ...]
+    pieces: tuple[Chunk, ...]
     handles: list[Any]
     future: torch.futures.Future[torch.Tensor]
     started: float
@@ -238,7 +238,7 @@ class SumClient(ClientBase):
         buf: torch.Tensor,
         dtype: str,
         host: np.ndarray | None,
-        pieces: Sequence[Piece],
+        pieces: Sequence[Chunk],
         routes: Sequence[Route],
         handles: list[Any],
     ) -> dict[int, list[int]]:
@@ -280,7 +280,7 @@ class SumClient(ClientBase):
         buf: torch.Tensor,
         dtype: str,
         staged: torch.Tensor | None,
-        pieces: Sequence[Piece],
+        pieces: Sequence[Chunk],
         local: dict[int, list[int]],
         handles: list[Any],
     ) -> int:
@@ -327,7 +327,7 @@ class SumClient(ClientBase):
         self,
         buf: torch.Tensor,
         dtype: str,
-        pieces: Sequence[Piece],
+        pieces: Sequence[Chunk],
         routes: Sequence[Route],
         messages: int,
     ) -> None:

@@ -57,7 +57,7 @@ class _Slot:
 
 
 @dataclass
-class _Model:
+class _SumState:
     """One prepared model's state on this shard."""
 
     # Two slots per chunk, by step parity. A worker can push step s+2 only after
@@ -90,7 +90,7 @@ class SumShard(ShardBase):
     ) -> None:
         super().__init__(shard_index, num_workers, timeout_s)
         self._codec = Codec(compression)
-        self._models: dict[int, _Model] = {}
+        self._models: dict[int, _SumState] = {}
         self._topology: Topology | None = None
         self._own_sources = frozenset(range(num_workers))
         self._relayed: frozenset[int] = frozenset()
@@ -164,8 +164,8 @@ class SumShard(ShardBase):
         assert out is not None
         return out
 
-    def _model(self, model: int) -> _Model:
-        return self._models.setdefault(model, _Model())
+    def _model(self, model: int) -> _SumState:
+        return self._models.setdefault(model, _SumState())
 
     def attach(
         self, model: int, rank: int, inputs: SegmentHandle, lo: int, nbytes: int
@@ -447,7 +447,9 @@ class SumShard(ShardBase):
             slot.done.set()
 
     @staticmethod
-    def _output_view(state: _Model, step: int, key: int, dtype: np.dtype, size: int) -> np.ndarray:
+    def _output_view(
+        state: _SumState, step: int, key: int, dtype: np.dtype, size: int
+    ) -> np.ndarray:
         return state.outputs[step % 2].view(key - state.lo, dtype, size)
 
     def _slot_for(
