@@ -24,8 +24,8 @@ test: $(VENV)/.installed
 	$(PY) -m pytest -q tests
 
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check ray_ps_plugin
-	$(VENV)/bin/ruff format --check ray_ps_plugin
+	$(VENV)/bin/ruff check ray_ps_plugin tests benchmarks examples
+	$(VENV)/bin/ruff format --check ray_ps_plugin tests benchmarks examples
 	$(VENV)/bin/mypy
 
 package-check: $(VENV)/.installed

@@ -56,7 +56,12 @@ def code_commit() -> str:
         # Stored results are outputs, not code: a run that follows another before
         # its results are committed still measures the commit.
         dirty = git(
-            "status", "--porcelain", "--", "ray_ps_plugin", "benchmarks", "examples",
+            "status",
+            "--porcelain",
+            "--",
+            "ray_ps_plugin",
+            "benchmarks",
+            "examples",
             ":(exclude)benchmarks/results",
         )
     except (OSError, subprocess.SubprocessError):

@@ -20,6 +20,7 @@ Only meaningful where the interface carries nothing but the run's traffic, as in
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import threading
 import time
@@ -68,7 +69,7 @@ def step_bursts(
     """Cuts a trace into bursts of traffic separated by at least ``quiet_s``."""
     bursts: list[dict[str, float]] = []
     cur: dict[str, float] | None = None
-    for (t0, tx0, rx0), (t1, tx1, rx1) in zip(samples, samples[1:]):
+    for (t0, tx0, rx0), (t1, tx1, rx1) in itertools.pairwise(samples):
         sent, got = tx1 - tx0 >= min_bytes, rx1 - rx0 >= min_bytes
         if not (sent or got):
             continue

@@ -1,9 +1,10 @@
 """Communication-only cost of one PS-sync step, by chunk size (no model, no DDP).
 
 Two worker actors each push a 23 MB fp32 buffer (the reference MLP's gradient) to two
-SumShard actors through the object store, cut into chunks, and wait for the sums: the cost docs/benchmarks.md
-attributes to per-object overhead. Variants: ``base`` (one put per chunk, as the plugin
-does today) and ``slice`` (one put per step shared by all shards, each reading its slice).
+SumShard actors through the object store, cut into chunks, and wait for the sums: the
+cost docs/benchmarks.md attributes to per-object overhead. Variants: ``base`` (one put
+per chunk, as the plugin does today) and ``slice`` (one put per step shared by all
+shards, each reading its slice).
 
     python benchmarks/comm_only.py [--steps 30]
 """
@@ -42,9 +43,17 @@ class _Worker:
             t0 = time.perf_counter()
             if variant == "slice":
                 whole = ray.put(self.buf)
-                refs = [self.servers[s].push_slice.remote(step, a, self.rank, whole, a, b) for s, a, b in cuts]
+                refs = [
+                    self.servers[s].push_slice.remote(step, a, self.rank, whole, a, b)
+                    for s, a, b in cuts
+                ]
             else:
-                refs = [self.servers[s].push_pull.remote(0, step, a, self.rank, self.buf[a:b], "float32") for s, a, b in cuts]
+                refs = [
+                    self.servers[s].push_pull.remote(
+                        0, step, a, self.rank, self.buf[a:b], "float32"
+                    )
+                    for s, a, b in cuts
+                ]
             for (_, a, b), r in zip(cuts, ray.get(refs, timeout=60)):
                 self.buf[a:b] = r
             times.append(time.perf_counter() - t0)
@@ -60,10 +69,14 @@ def main() -> None:
     print("| variant | chunk (MiB) | comm-only step (ms), worker 0 / worker 1 |\n|---|---|---|")
     for variant in ("base", "slice"):
         for mib in (1, 4, 16):
-            servers = [ray.remote(_SliceServer).options(num_cpus=0).remote(i, 2, 60) for i in range(2)]
+            servers = [
+                ray.remote(_SliceServer).options(num_cpus=0).remote(i, 2, 60) for i in range(2)
+            ]
             ray.get([s.ready.remote() for s in servers], timeout=60)
             workers = [_Worker.remote(r, servers, args.numel) for r in range(2)]
-            ms = ray.get([w.run.remote(args.steps, mib << 20, variant) for w in workers], timeout=600)
+            ms = ray.get(
+                [w.run.remote(args.steps, mib << 20, variant) for w in workers], timeout=600
+            )
             print(f"| {variant} | {mib} | {ms[0] * 1e3:.1f} / {ms[1] * 1e3:.1f} |", flush=True)
             for a in servers + workers:
                 ray.kill(a)

@@ -31,16 +31,16 @@ from typing import Any
 
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
 
-import ray  # noqa: E402
-import ray.train  # noqa: E402
-from ray import cloudpickle  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
-from ray.train import RunConfig, ScalingConfig  # noqa: E402
+import ray
+import ray.train
+from ray import cloudpickle
+from ray.cluster_utils import Cluster
+from ray.train import RunConfig, ScalingConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
-import _common  # noqa: E402
+import _common
 
-from ray_ps_plugin import PSConfig, PSTrainer, get_ps_context  # noqa: E402
+from ray_ps_plugin import PSConfig, PSTrainer, get_ps_context
 
 cloudpickle.register_pickle_by_value(_common)
 
@@ -70,9 +70,7 @@ def loop(config: dict[str, Any]) -> None:
         "bytes_per_step": (stats.bytes_pushed + stats.bytes_pulled) / max(1, stats.steps)
         if stats
         else 0.0,
-        "cross_node_bytes_per_step": stats.bytes_cross_node / max(1, stats.steps)
-        if stats
-        else 0.0,
+        "cross_node_bytes_per_step": stats.bytes_cross_node / max(1, stats.steps) if stats else 0.0,
         # Linux reports ru_maxrss in KiB.
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "params": sum(p.numel() for p in model.parameters()),
@@ -83,7 +81,9 @@ def loop(config: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--sizes", default="1,6,25,50", help="millions of parameters")
     p.add_argument("--workers", default="1,2,4")
     p.add_argument("--variants", default=",".join(VARIANTS))
@@ -101,7 +101,9 @@ def main() -> None:
 
     # Two simulated nodes of 2 logical CPUs each; workers take 0.5 CPU, so 4 workers
     # spread over both nodes (SPREAD) and every run fits.
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False}
+    )
     cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
@@ -110,26 +112,42 @@ def main() -> None:
         for size in sizes:
             for w in workers:
                 # One worker: no wrap, every variant is the compute floor; run it once.
-                for name in (["compute"] if w == 1 else variants):
+                for name in ["compute"] if w == 1 else variants:
                     cfg, sync = VARIANTS[name]
                     result = PSTrainer(
                         loop,
                         ps_config=cfg,
-                        train_loop_config={"sync": sync, "width": width_for(size),
-                                           "steps": args.steps, "warmup": args.warmup},
-                        scaling_config=ScalingConfig(num_workers=w, resources_per_worker={"CPU": 0.5},
-                                                     placement_strategy="SPREAD"),
+                        train_loop_config={
+                            "sync": sync,
+                            "width": width_for(size),
+                            "steps": args.steps,
+                            "warmup": args.warmup,
+                        },
+                        scaling_config=ScalingConfig(
+                            num_workers=w,
+                            resources_per_worker={"CPU": 0.5},
+                            placement_strategy="SPREAD",
+                        ),
                         run_config=RunConfig(storage_path=storage, name=f"{name}-{time.time_ns()}"),
                     ).fit()
                     m = result.metrics
-                    row = {"variant": name, "workers": w, "params": m["params"],
-                           "step_ms": m["median_step_s"] * 1e3,
-                           "bytes_per_step": m["bytes_per_step"],
-                           "cross_node_bytes_per_step": m["cross_node_bytes_per_step"],
-                           "peak_rss_mb": m["peak_rss_mb"]}
+                    row = {
+                        "variant": name,
+                        "workers": w,
+                        "params": m["params"],
+                        "step_ms": m["median_step_s"] * 1e3,
+                        "bytes_per_step": m["bytes_per_step"],
+                        "cross_node_bytes_per_step": m["cross_node_bytes_per_step"],
+                        "peak_rss_mb": m["peak_rss_mb"],
+                    }
                     rows.append(row)
-                    print(", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
-                                    for k, v in row.items()), flush=True)
+                    print(
+                        ", ".join(
+                            f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
+                            for k, v in row.items()
+                        ),
+                        flush=True,
+                    )
     ray.shutdown()
     cluster.shutdown()
 
@@ -155,8 +173,11 @@ def _plot(rows: list[dict[str, Any]], workers: list[int], path: str, info: dict[
     axes = axes if len(workers) > 1 else [axes]
     for ax, w in zip(axes, workers):
         for name in dict.fromkeys(r["variant"] for r in rows):
-            pts = sorted((r["params"] / 1e6, r["step_ms"]) for r in rows
-                         if r["variant"] == name and r["workers"] == w)
+            pts = sorted(
+                (r["params"] / 1e6, r["step_ms"])
+                for r in rows
+                if r["variant"] == name and r["workers"] == w
+            )
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=name)
         ax.set_title(f"{w} worker(s)")
@@ -166,8 +187,10 @@ def _plot(rows: list[dict[str, Any]], workers: list[int], path: str, info: dict[
         ax.grid(alpha=0.3, which="both")
     axes[0].set_ylabel("median step (ms)")
     axes[-1].legend()
-    fig.suptitle(f"Reference MLP, batch 32, 2 simulated nodes ({info['machine']}, {info['date']})",
-                 fontsize=9)
+    fig.suptitle(
+        f"Reference MLP, batch 32, 2 simulated nodes ({info['machine']}, {info['date']})",
+        fontsize=9,
+    )
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-import _common  # noqa: E402
+import _common
 
 OUT = Path(__file__).resolve().parent / "results" / "resnet18.json"
 
@@ -25,9 +25,11 @@ if __name__ == "__main__":
         rows_file = Path(tmp, "rows.json")
         sys.argv = [
             str(example),
-            "--variants", "ddp,ps_sync,ps_async,ps_sync_bf16",
+            "--variants",
+            "ddp,ps_sync,ps_async,ps_sync_bf16",
             *passed,
-            "--out", str(rows_file),
+            "--out",
+            str(rows_file),
         ]
         runpy.run_path(str(example), run_name="__main__")
         rows = json.loads(rows_file.read_text())

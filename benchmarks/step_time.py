@@ -29,15 +29,15 @@ from typing import Any
 
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
 
-import ray  # noqa: E402
-import ray.train  # noqa: E402
-from ray import cloudpickle  # noqa: E402
-from ray.train import RunConfig, ScalingConfig  # noqa: E402
+import ray
+import ray.train
+from ray import cloudpickle
+from ray.train import RunConfig, ScalingConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
-import _common  # noqa: E402
+import _common
 
-from ray_ps_plugin import PSConfig, PSTrainer, get_ps_context  # noqa: E402
+from ray_ps_plugin import PSConfig, PSTrainer, get_ps_context
 
 cloudpickle.register_pickle_by_value(_common)
 
@@ -88,16 +88,16 @@ def run_variant(name: str, args: argparse.Namespace, storage: str) -> dict[str, 
             "steps": args.steps,
             "warmup": args.warmup,
         },
-        scaling_config=ScalingConfig(
-            num_workers=args.workers, resources_per_worker={"CPU": 1}
-        ),
+        scaling_config=ScalingConfig(num_workers=args.workers, resources_per_worker={"CPU": 1}),
         run_config=RunConfig(storage_path=storage, name=f"{name}-{time.time_ns()}"),
     ).fit()
     return dict(result.metrics)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=5)

@@ -33,19 +33,19 @@ from typing import Any
 
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
 
-import numpy as np  # noqa: E402
-import ray  # noqa: E402
-import ray.train  # noqa: E402
-import ray.train.torch  # noqa: E402
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
-from ray import cloudpickle  # noqa: E402
-from ray.train import RunConfig, ScalingConfig  # noqa: E402
+import numpy as np
+import ray
+import ray.train
+import ray.train.torch
+import torch
+import torch.nn as nn
+from ray import cloudpickle
+from ray.train import RunConfig, ScalingConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
-import _common  # noqa: E402
+import _common
 
-from ray_ps_plugin import PSConfig, PSTrainer, get_ps_context  # noqa: E402
+from ray_ps_plugin import PSConfig, PSTrainer, get_ps_context
 
 cloudpickle.register_pickle_by_value(_common)
 
@@ -291,13 +291,15 @@ def main() -> None:
     _plot({m: curves[m] for m in MODES}, args.plot, args.sleep_ms)
 
     print(
-        "\n| variant | samples/s (all workers) | throughput / DDP | rank-0 step / DDP | staleness max (rank 0, 1) |"
+        "\n| variant | samples/s (all workers) | throughput / DDP | rank-0 step / DDP "
+        "| staleness max (rank 0, 1) |"
     )
     print("|---|---|---|---|---|")
     for k in keys:
         last = rounds[-1][k]
         print(
-            f"| {k} | {summary['samples_per_s'][k]:.0f} | {summary['throughput_ratio_to_ddp'][k]:.2f}x | "
+            f"| {k} | {summary['samples_per_s'][k]:.0f} "
+            f"| {summary['throughput_ratio_to_ddp'][k]:.2f}x | "
             f"{summary['rank0_step_ratio_to_ddp'][k]:.2f}x | {last['staleness_max']} |"
         )
     print(f"\nwrote {out} and {args.plot}")

@@ -29,14 +29,14 @@ from typing import Any
 
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
 
-import ray  # noqa: E402
-import ray.train  # noqa: E402
-import ray.train.torch  # noqa: E402
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
-from ray.train import RunConfig, ScalingConfig  # noqa: E402
+import ray
+import ray.train
+import ray.train.torch
+import torch
+import torch.nn as nn
+from ray.train import RunConfig, ScalingConfig
 
-from ray_ps_plugin import PSConfig, PSTrainer, get_ps_context  # noqa: E402
+from ray_ps_plugin import PSConfig, PSTrainer, get_ps_context
 
 RUNS = {
     "DDP": PSConfig(strategy="ddp"),

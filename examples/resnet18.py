@@ -25,14 +25,14 @@ from typing import Any
 
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
 
-import ray  # noqa: E402
-import ray.train  # noqa: E402
-import ray.train.torch  # noqa: E402
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
-from ray.train import RunConfig, ScalingConfig  # noqa: E402
+import ray
+import ray.train
+import ray.train.torch
+import torch
+import torch.nn as nn
+from ray.train import RunConfig, ScalingConfig
 
-from ray_ps_plugin import PSConfig, PSTrainer  # noqa: E402
+from ray_ps_plugin import PSConfig, PSTrainer
 
 VARIANTS = {
     "ddp": PSConfig(strategy="ddp"),
@@ -49,10 +49,12 @@ def dataset(config: dict[str, Any]) -> torch.utils.data.Dataset:
 
     transform = T.Compose([T.ToTensor(), T.Normalize((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))])
     if config["download"]:
-        return torchvision.datasets.CIFAR10(config["data"], train=True, download=True,
-                                            transform=transform)
-    return torchvision.datasets.FakeData(size=config["samples"], image_size=(3, 32, 32),
-                                         num_classes=10, transform=transform)
+        return torchvision.datasets.CIFAR10(
+            config["data"], train=True, download=True, transform=transform
+        )
+    return torchvision.datasets.FakeData(
+        size=config["samples"], image_size=(3, 32, 32), num_classes=10, transform=transform
+    )
 
 
 def train_fn(config: dict[str, Any]) -> None:
@@ -93,8 +95,15 @@ def run(name: str, args: argparse.Namespace) -> dict[str, Any]:
     result = PSTrainer(
         train_fn,
         ps_config=VARIANTS[name],
-        train_loop_config={"steps": args.steps, "batch": args.batch, "threads": 1, "lr": args.lr,
-                           "samples": args.samples, "download": args.download, "data": args.data},
+        train_loop_config={
+            "steps": args.steps,
+            "batch": args.batch,
+            "threads": 1,
+            "lr": args.lr,
+            "samples": args.samples,
+            "download": args.download,
+            "data": args.data,
+        },
         scaling_config=ScalingConfig(num_workers=args.workers, resources_per_worker={"CPU": 1}),
         run_config=RunConfig(storage_path=args.storage, name=f"resnet18-{name}-{time.time_ns()}"),
     ).fit()
@@ -109,7 +118,9 @@ def run(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--variants", default="ddp,ps_sync,ps_async")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch", type=int, default=16)
@@ -131,8 +142,10 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for r in rows:
         ratio = f"{r['samples_per_s'] / ddp['samples_per_s']:.2f}x" if ddp else "-"
-        print(f"| {r['variant']} | {r['samples_per_s']:.1f} | {ratio} | {r['median_step_ms']:.0f} | "
-              f"{r['loss_first']:.3f} -> {r['loss_last']:.3f} |")
+        print(
+            f"| {r['variant']} | {r['samples_per_s']:.1f} | {ratio} | {r['median_step_ms']:.0f} | "
+            f"{r['loss_first']:.3f} -> {r['loss_last']:.3f} |"
+        )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(rows, indent=2))

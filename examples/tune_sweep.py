@@ -33,20 +33,22 @@ from typing import Any
 # loop reports every epoch, so poll faster. Set before Ray starts its processes.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 
-import ray  # noqa: E402
-import ray.train  # noqa: E402
-import ray.train.torch  # noqa: E402
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
-from ray import tune  # noqa: E402
-from ray.train import ScalingConfig  # noqa: E402
+import ray
+import ray.train
+import ray.train.torch
+import torch
+import torch.nn as nn
+from ray import tune
+from ray.train import ScalingConfig
 
-from ray_ps_plugin import PSConfig  # noqa: E402
-from ray_ps_plugin.tune import make_trainable  # noqa: E402
+from ray_ps_plugin import PSConfig
+from ray_ps_plugin.tune import make_trainable
 
 
 # --- the training loop: an unchanged TorchTrainer loop --------------------------------
-def load_data(model: str, samples: int) -> tuple[torch.utils.data.Dataset, torch.utils.data.Dataset]:
+def load_data(
+    model: str, samples: int
+) -> tuple[torch.utils.data.Dataset, torch.utils.data.Dataset]:
     """Train and test sets: digits (70/30 split) or CIFAR-shaped FakeData."""
     if model == "resnet18":
         import torchvision
@@ -135,7 +137,9 @@ def train_loop(config: dict[str, Any]) -> None:
 
 
 # --- the sweep ------------------------------------------------------------------------
-def strategy_mode_pairs(strategies: list[str], modes: list[str], staleness: int) -> list[dict[str, Any]]:
+def strategy_mode_pairs(
+    strategies: list[str], modes: list[str], staleness: int
+) -> list[dict[str, Any]]:
     """One ps_config per (strategy, mode) pair; DDP only once, it has no modes."""
     pairs: list[dict[str, Any]] = []
     for strategy in strategies:
@@ -150,7 +154,10 @@ def strategy_mode_pairs(strategies: list[str], modes: list[str], staleness: int)
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    print(f"\n{'rank':>4} {'accuracy':>8} {'train s':>8} {'trial s':>8}  {'strategy':<8} {'mode':<6} {'lr':>7}")
+    print(
+        f"\n{'rank':>4} {'accuracy':>8} {'train s':>8} {'trial s':>8}  "
+        f"{'strategy':<8} {'mode':<6} {'lr':>7}"
+    )
     for i, r in enumerate(rows, 1):
         print(
             f"{i:>4} {r['accuracy']:>8.4f} {r['train_s']:>8.2f} {r['trial_s']:>8.1f}  "
@@ -174,7 +181,9 @@ def plot(results: tune.ResultGrid, path: str) -> None:
             continue
         pair, df = r.config["ps_config"], r.metrics_dataframe.sort_values("epoch")
         ax.plot(
-            df["train_s"], df["accuracy"], marker=markers.get(r.config["lr"], "o"),
+            df["train_s"],
+            df["accuracy"],
+            marker=markers.get(r.config["lr"], "o"),
             color=colours.get(pair["strategy"], "tab:gray"),
             linestyle=styles.get(pair["mode"], "-"),
             label=f"{pair['strategy']}/{pair['mode']} lr={r.config['lr']:g}",
@@ -190,10 +199,13 @@ def plot(results: tune.ResultGrid, path: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--strategies", default="ddp,ps", help="comma-separated: ddp,ps")
     parser.add_argument(
-        "--modes", default="sync",
+        "--modes",
+        default="sync",
         help="comma-separated PS modes: sync (default), async, ssp. DDP has one "
         "mode and runs once per lr whatever this lists.",
     )
@@ -202,15 +214,31 @@ def main() -> None:
     parser.add_argument("--model", choices=("mlp", "resnet18"), default="mlp")
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--samples", type=int, default=128, help="FakeData training images (resnet18)")
+    parser.add_argument(
+        "--samples", type=int, default=128, help="FakeData training images (resnet18)"
+    )
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--cpus-per-worker", type=float, default=0.5,
-                        help="logical CPUs each worker reserves (a bundle of the run's placement group)")
-    parser.add_argument("--driver-cpus", type=float, default=0.25,
-                        help="logical CPUs each trial's driver reserves (it only waits on its run)")
-    parser.add_argument("--max-concurrent", type=int, default=None,
-                        help="trials at once; default: as many as the cluster's CPUs hold whole")
-    parser.add_argument("--storage", default=None, help="Tune storage_path (default: Ray's, ~/ray_results)")
+    parser.add_argument(
+        "--cpus-per-worker",
+        type=float,
+        default=0.5,
+        help="logical CPUs each worker reserves (a bundle of the run's placement group)",
+    )
+    parser.add_argument(
+        "--driver-cpus",
+        type=float,
+        default=0.25,
+        help="logical CPUs each trial's driver reserves (it only waits on its run)",
+    )
+    parser.add_argument(
+        "--max-concurrent",
+        type=int,
+        default=None,
+        help="trials at once; default: as many as the cluster's CPUs hold whole",
+    )
+    parser.add_argument(
+        "--storage", default=None, help="Tune storage_path (default: Ray's, ~/ray_results)"
+    )
     parser.add_argument("--plot", default="tune_sweep.png", help="where to save the PNG")
     args = parser.parse_args()
 
@@ -241,7 +269,9 @@ def main() -> None:
             "seed": 0,
         },
         tune_config=tune.TuneConfig(max_concurrent_trials=max_concurrent),
-        run_config=tune.RunConfig(name=f"tune_sweep_{args.model}", storage_path=args.storage, verbose=0),
+        run_config=tune.RunConfig(
+            name=f"tune_sweep_{args.model}", storage_path=args.storage, verbose=0
+        ),
     )
     n = len(pairs) * len(lrs)
     print(f"{n} trials ({args.model}), {max_concurrent} at a time, {per_trial:g} CPUs each ...")
@@ -254,10 +284,15 @@ def main() -> None:
         if r.error:
             print(f"trial {r.config['ps_config']} lr={r.config['lr']} failed: {r.error}")
             continue
-        rows.append({
-            **r.config["ps_config"], "lr": r.config["lr"], "accuracy": r.metrics["accuracy"],
-            "train_s": r.metrics["train_s"], "trial_s": r.metrics["time_total_s"],
-        })
+        rows.append(
+            {
+                **r.config["ps_config"],
+                "lr": r.config["lr"],
+                "accuracy": r.metrics["accuracy"],
+                "train_s": r.metrics["train_s"],
+                "trial_s": r.metrics["time_total_s"],
+            }
+        )
     rows.sort(key=lambda row: (-row["accuracy"], row["train_s"]))
     print_table(rows)
     plot(results, args.plot)

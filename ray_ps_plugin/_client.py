@@ -10,6 +10,7 @@ counters.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import threading
 import weakref
@@ -67,7 +68,7 @@ def _trainable_flags(module: torch.nn.Module) -> tuple[tuple[str, bool], ...]:
     return tuple((name, p.requires_grad) for name, p in module.named_parameters())
 
 
-class ClientBase:
+class ClientBase(abc.ABC):
     """The mode-independent half of a worker client.
 
     Args:
@@ -95,23 +96,23 @@ class ClientBase:
         self._trainable = _trainable_flags(setup.module)
 
     # --- the contract with the runtime (optimizer hooks, forward, context exit) ---
+    @abc.abstractmethod
     def bind(self, ddp: DistributedDataParallel) -> None:
         """Connects the client to the DDP object that wraps its model."""
-        raise NotImplementedError
 
     def owns(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer`` steps any of this model's trainable parameters."""
         return self.guard.owns(optimizer)
 
     @property
+    @abc.abstractmethod
     def next_step(self) -> int:
         """The step (sync round or clock) the next optimizer step applies."""
-        raise NotImplementedError
 
     @property
+    @abc.abstractmethod
     def shared_memory_shards(self) -> tuple[int, ...]:
         """Shards reached through shared memory, in index order."""
-        raise NotImplementedError
 
     def before_forward(self) -> None:
         """Called before each forward pass of the model."""

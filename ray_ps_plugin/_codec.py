@@ -1,16 +1,16 @@
-"""Wire formats between workers and shards: fp32 as is, or 16-bit compression.
+"""Wire formats between workers and shards: the model's own dtype, or 16-bit.
 
 With ``PSConfig(compression="bf16" | "fp16")`` every tensor that travels (gradient
 chunks and sums in sync mode, deltas and parameters in async/ssp) is sent as 16-bit
 values, halving the bytes. The shards decode to the model's dtype (at least fp32)
 and keep their sums and master parameters in it, so rounding happens only on the
-wire, never in the state.
+wire, never in the state. A bfloat16 model travels as bfloat16 either way; fp16
+compression of it is refused at ``prepare_model`` (fp16 lacks its range).
 
-NumPy has no bfloat16, so bf16 travels as the raw 16-bit patterns in an ``int16``
-array (Ray ships NumPy arrays zero-copy) and is reinterpreted with torch.
-
-torch is imported only where values are converted: a sync shard without
-compression never converts, and importing torch would take most of its start-up.
+bfloat16 travels as raw 16-bit patterns in ``int16`` arrays (see
+:mod:`ray_ps_plugin._dtypes`). torch is imported only where values are narrowed or
+fp16 is widened: a sync shard of an uncompressed fp16/32/64 model never converts,
+and importing torch would take most of its start-up.
 """
 
 from __future__ import annotations
@@ -20,31 +20,41 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ray_ps_plugin._dtypes import BF16_BITS, bf16_to_f32, storage, widened
 from ray_ps_plugin._types import Compression
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Codec", "as_torch"]
+__all__ = ["Codec", "as_torch", "to_numpy"]
 
 _WIRE: dict[Compression | None, str] = {None: "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
 def as_torch(arr: np.ndarray) -> torch.Tensor:
-    """A tensor sharing ``arr``'s memory (read-only arrays from Ray included)."""
+    """A tensor sharing ``arr``'s memory (read-only arrays from Ray included);
+    ``int16`` arrays, bfloat16 patterns, come back as ``torch.bfloat16``."""
     import torch
 
     with warnings.catch_warnings():
         # Arrays from Ray's object store are read-only; they are only read here.
         warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(arr)
+        t = torch.from_numpy(arr)
+    return t.view(torch.bfloat16) if t.dtype == torch.int16 else t
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """An array sharing the memory of CPU tensor ``t`` (bfloat16 as ``int16`` patterns)."""
+    import torch
+
+    return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
 
 class Codec:
-    """Encodes fp32 tensors for the wire and decodes them back.
+    """Encodes tensors for the wire and decodes them back.
 
     Args:
-        compression: ``None`` (fp32 on the wire), ``"fp16"`` or ``"bf16"``.
+        compression: ``None`` (the model's dtype on the wire), ``"fp16"`` or ``"bf16"``.
     """
 
     def __init__(self, compression: Compression | None) -> None:
@@ -54,7 +64,7 @@ class Codec:
 
     @property
     def wire_dtype(self) -> torch.dtype:
-        """The torch dtype of values on the wire."""
+        """The torch dtype of compressed values on the wire (fp32 when uncompressed)."""
         import torch
 
         return getattr(torch, _WIRE[self.compression])
@@ -63,46 +73,61 @@ class Codec:
     def active(self) -> bool:
         return self.compression is not None
 
-    def wire_np_dtype(self, dtype: str) -> str:
-        """The NumPy dtype of a wire array carrying values of ``dtype``."""
+    def wire_np_dtype(self, dtype: str) -> np.dtype:
+        """The NumPy dtype of a wire array carrying values of model dtype ``dtype``."""
         if self.compression == "bf16":
-            return "int16"  # bf16 travels as its raw 16-bit patterns
-        return "float16" if self.compression == "fp16" else dtype
+            return BF16_BITS
+        return np.dtype(np.float16) if self.compression == "fp16" else storage(dtype)
+
+    def converts(self, dtype: str) -> bool:
+        """Whether the wire format differs from the dtype shards compute in."""
+        return self.wire_np_dtype(dtype) != np.dtype(widened(dtype))
 
     def encode(self, t: torch.Tensor) -> np.ndarray:
         """A host array of ``t`` in the wire format (a view when nothing changes)."""
         t = t.detach()
-        if not self.active:
-            return t.cpu().numpy()
-        import torch
-
-        wire = t.to(device="cpu", dtype=self.wire_dtype)
-        return wire.view(torch.int16).numpy() if self.compression == "bf16" else wire.numpy()
+        t = t.to(device="cpu", dtype=self.wire_dtype) if self.active else t.cpu()
+        return to_numpy(t)
 
     def decode(self, arr: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The values of a wire array as ``dtype`` (fp32 by default; the array itself
-        when uncompressed)."""
+        """The values of a wire array as ``dtype`` (compressed: fp32 by default;
+        uncompressed: the array itself, viewed as a tensor, by default)."""
         import torch
 
         t = as_torch(arr)
-        if self.compression == "bf16":
-            t = t.view(torch.bfloat16)
-        return t.to(dtype or torch.float32) if self.active else t
+        target = dtype or (torch.float32 if self.active else t.dtype)
+        return t.to(target)
 
-    def encode_np(self, values: np.ndarray) -> np.ndarray:
-        """Shard side: a fresh wire array of fp32 ``values`` (a copy when uncompressed)."""
-        if not self.active:
-            return values.copy()
-        return self.encode(as_torch(values))
+    def encode_np(
+        self, values: np.ndarray, dtype: str = "float32", out: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Shard side: a fresh wire array of ``values`` (or ``out``, filled), which
+        are in the dtype shards compute in for model dtype ``dtype`` (a copy when
+        nothing changes)."""
+        wire = self.wire_np_dtype(dtype)
+        if out is None:
+            out = np.empty(values.shape, wire)
+        if wire == values.dtype:
+            np.copyto(out, values)
+        else:
+            # Narrowing to 16 bits through torch: it rounds to nearest even, as the
+            # workers do, and runs 4-10x faster than NumPy's conversions (measured on
+            # 1 M fp32 values: 0.6 against 2.3 ms to bf16, 0.3 against 3.2 to fp16).
+            as_torch(out).copy_(as_torch(values))
+        return out
 
     def decode_np(self, arr: np.ndarray, dtype: str = "float32") -> np.ndarray:
-        """Shard side: the values of a wire array as ``dtype`` (the array itself when
-        uncompressed)."""
-        if not self.active:
+        """Shard side: the values of a wire array in the dtype shards compute in for
+        model dtype ``dtype`` (the array itself when nothing changes)."""
+        target = np.dtype(widened(dtype))
+        if arr.dtype == BF16_BITS:
+            values = bf16_to_f32(arr)  # exact, and as fast as torch's
+            return values if target == values.dtype else values.astype(target)
+        if arr.dtype == target:
             return arr
         import torch
 
-        return self.decode(arr, getattr(torch, dtype)).numpy()
+        return as_torch(arr).to(getattr(torch, target.name)).numpy()
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (Codec, (self.compression,))

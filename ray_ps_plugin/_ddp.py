@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ray_ps_plugin import _runtime, _torch_compat
 from ray_ps_plugin._modes import MODE_SPECS
 from ray_ps_plugin._transport import RayTransport
+from ray_ps_plugin._types import Compression
 
 __all__ = [
     "PSDistributedDataParallel",
@@ -42,23 +43,26 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def check_supported(module: torch.nn.Module) -> None:
+def check_supported(module: torch.nn.Module, compression: Compression | None = None) -> None:
     """Raises early for models the parameter servers cannot synchronise.
 
+    Args:
+        module: The model about to be wrapped.
+        compression: The run's ``PSConfig.compression``.
+
     Raises:
-        ValueError: If a layer produces sparse gradients.
-        TypeError: If a trainable parameter is bfloat16 (NumPy, which carries the
-            data between workers and shards, has no such dtype).
+        ValueError: If a layer produces sparse gradients, or bfloat16 parameters
+            would travel as fp16 (``compression="fp16"``: fp16 lacks bf16's range).
     """
     bf16 = [
         n for n, p in module.named_parameters() if p.requires_grad and p.dtype == torch.bfloat16
     ]
-    if bf16:
-        raise TypeError(
-            f"Parameter(s) {bf16[:3]}{'...' if len(bf16) > 3 else ''} are bfloat16, which "
-            "the parameter-server strategy cannot carry. Keep the model in float32 (and "
-            "use torch.autocast for bf16 compute, PSConfig(compression='bf16') for 16-bit "
-            "traffic), or use PSConfig(strategy='ddp')."
+    if bf16 and compression == "fp16":
+        raise ValueError(
+            f"Parameter(s) {bf16[:3]}{'...' if len(bf16) > 3 else ''} are bfloat16, and "
+            "PSConfig.compression='fp16' would send them as fp16, which overflows beyond "
+            "65504 where bf16 does not. bfloat16 parameters already travel as 16-bit: "
+            "use compression=None or 'bf16'."
         )
     sparse = [
         name
@@ -108,7 +112,7 @@ class PSDistributedDataParallel(DistributedDataParallel):
     _ps_owns_comm: bool = False
 
     def __init__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
-        check_supported(module)
+        check_supported(module, _runtime.current_run().settings.compression)
         _check_not_attached(module)
         super().__init__(module, *args, **kwargs)
         attach(self)
@@ -218,7 +222,7 @@ def ps_ddp_constructors() -> Iterator[None]:
         cls = type(self)
         if cls is DistributedDataParallel:
             module = _module_argument(args, kwargs)
-            check_supported(module)
+            check_supported(module, _runtime.current_run().settings.compression)
             _check_not_attached(module)
             original(self, *args, **kwargs)
             if type(self) is DistributedDataParallel:  # not taken over by an outer context

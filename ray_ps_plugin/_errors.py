@@ -1,6 +1,13 @@
 """Errors the plugin raises inside the training function."""
 
-__all__ = ["PSError", "PSTimeoutError", "ShardProtocolError", "ShardTimeoutError", "WaitTimeout"]
+__all__ = [
+    "PSError",
+    "PSTimeoutError",
+    "ShardLinkError",
+    "ShardProtocolError",
+    "ShardTimeoutError",
+    "WaitTimeout",
+]
 
 
 class PSError(RuntimeError):
@@ -27,3 +34,8 @@ class ShardTimeoutError(TimeoutError):
 class ShardProtocolError(RuntimeError):
     """Raised inside a shard: a call cannot belong to this run (e.g. the workers'
     models differ, or a step or clock is out of order)."""
+
+
+class ShardLinkError(ConnectionError):
+    """Raised inside a shard: its direct path to another shard failed (the other
+    shard, its node or the link between them is gone)."""

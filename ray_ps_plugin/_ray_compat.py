@@ -32,6 +32,7 @@ __all__ = [
     "WorkerPlace",
     "actor_table",
     "ping_actor",
+    "trial_storage",
     "worker_placement_group",
     "worker_places",
 ]
@@ -67,16 +68,29 @@ def worker_places(worker_group: Any) -> list[WorkerPlace]:
 
 
 def worker_placement_group(worker_group: Any) -> Any | None:
-    """The worker group's placement group, or ``None`` where it has none yet.
+    """The worker group's placement group, or ``None`` while it is not started.
 
-    Checked against Ray 2.60.0:
-    ``WorkerGroup.get_worker_group_state().placement_group_handle.placement_group``;
-    the state getter raises while the group is not started.
+    Checked against Ray 2.60.0: ``WorkerGroup.has_started()`` and
+    ``WorkerGroup.get_worker_group_state().placement_group_handle.placement_group``
+    (the state getter raises while the group is not started).
     """
-    try:
-        return worker_group.get_worker_group_state().placement_group_handle.placement_group
-    except Exception:
+    if not worker_group.has_started():
         return None
+    return worker_group.get_worker_group_state().placement_group_handle.placement_group
+
+
+def trial_storage(tune_context: Any) -> dict[str, Any]:
+    """The Tune experiment's ``storage_path`` and ``storage_filesystem``.
+
+    Checked against Ray 2.60.0: ``TuneContext.get_storage()`` (a DeveloperAPI)
+    returns a ``StorageContext`` with ``experiment_fs_path`` and
+    ``storage_filesystem``.
+    """
+    storage = tune_context.get_storage()
+    return {
+        "storage_path": storage.experiment_fs_path,
+        "storage_filesystem": storage.storage_filesystem,
+    }
 
 
 def ping_actor(handle: Any) -> Any:

@@ -16,19 +16,17 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from ray_ps_plugin._dtypes import MODEL_DTYPES
 from ray_ps_plugin._errors import ShardProtocolError
 from ray_ps_plugin._metrics import ShardMetrics
 
-__all__ = ["MAX_MODELS", "WIRE_DTYPES", "ShardBase"]
+__all__ = ["MAX_MODELS", "ShardBase"]
 
 logger = logging.getLogger(__name__)
 
 # Prepared models per worker process that one run may have (each has its own keys,
 # clocks and segments on every shard).
 MAX_MODELS = 1024
-
-# Element types a worker may describe for data in shared memory.
-WIRE_DTYPES = frozenset({"float16", "float32", "float64"})
 
 
 class ShardBase:
@@ -65,23 +63,27 @@ class ShardBase:
             "pid": os.getpid(),
         }
 
-    def _check(self, model: object, rank: object, dtype: object = "float32") -> None:
+    def _check(self, model: object, rank: object | None, dtype: object = "float32") -> None:
         """Refuses caller-supplied ids a worker of this run cannot send.
 
         A negative rank would silently index another worker's clock; an unknown
-        dtype would reinterpret shared memory as anything.
+        dtype would reinterpret shared memory as anything. ``rank=None``: the caller
+        checks the sender another way.
 
         Raises:
             ShardProtocolError: Naming the bad argument.
         """
-        for name, value, bound in (("model", model, MAX_MODELS), ("rank", rank, self.num_workers)):
+        checks = [("model", model, MAX_MODELS)]
+        if rank is not None:
+            checks.append(("rank", rank, self.num_workers))
+        for name, value, bound in checks:
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < bound:
                 raise ShardProtocolError(
                     f"shard {self.shard_index}: {name} {value!r} is not an int in [0, {bound})."
                 )
-        if dtype not in WIRE_DTYPES:
+        if dtype not in MODEL_DTYPES:
             raise ShardProtocolError(
-                f"shard {self.shard_index}: dtype {dtype!r} is not one of {sorted(WIRE_DTYPES)}."
+                f"shard {self.shard_index}: dtype {dtype!r} is not one of {list(MODEL_DTYPES)}."
             )
 
     @contextlib.contextmanager

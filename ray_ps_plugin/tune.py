@@ -41,6 +41,7 @@ from ray_ps_plugin._ray_compat import (
     ControllerCallback,
     WorkerGroupCallback,
     ping_actor,
+    trial_storage,
     worker_placement_group,
 )
 from ray_ps_plugin.config import PSConfig
@@ -197,7 +198,9 @@ def _run_config(run_kwargs: dict[str, Any]) -> RunConfig:
     ctx = ray.tune.get_context()
     kwargs = dict(run_kwargs)
     if "storage_path" not in kwargs:
-        kwargs.update(_experiment_storage(ctx))
+        # Tune's storage is what the user configured for the sweep (NFS, S3, a tmp
+        # dir): each Train run lands beside its trial instead of in ~/ray_results.
+        kwargs.update(trial_storage(ctx))
     # TuneReportCallback needs the Tune session, so it is built here, in the trial.
     kwargs["callbacks"] = [
         TuneReportCallback(),
@@ -208,23 +211,6 @@ def _run_config(run_kwargs: dict[str, Any]) -> RunConfig:
     # by Tune finds (storage_path, name) unchanged and resumes its Train run.
     kwargs["name"] = f"train-trial_id={ctx.get_trial_id()}"
     return RunConfig(**kwargs)
-
-
-def _experiment_storage(ctx: Any) -> dict[str, Any]:
-    """storage_path/storage_filesystem of the Tune experiment, or {} (Ray's default).
-
-    Tune's storage is what the user configured for the sweep (NFS, S3, a tmp dir), so
-    each Train run lands beside its trial instead of in ``~/ray_results``.
-    ``get_storage`` is a Ray DeveloperAPI; if it changes, Ray's default is used.
-    """
-    try:
-        storage = ctx.get_storage()
-        return {
-            "storage_path": storage.experiment_fs_path,
-            "storage_filesystem": storage.storage_filesystem,
-        }
-    except Exception:
-        return {}
 
 
 def _check_run_config_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:

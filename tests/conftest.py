@@ -23,7 +23,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = 1
 
 
-def pytest_terminal_summary(terminalreporter, exitstatus: int) -> None:  # noqa: ARG001
+def pytest_terminal_summary(terminalreporter, exitstatus: int) -> None:
     if not _UNEXPECTED:
         return
     verdict = "fail the run (CI is set)" if os.environ.get("CI") else "would fail under CI"

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ray_ps_plugin._client import ClientBase, ClientSetup, ModelHook
-from ray_ps_plugin._codec import Codec
+from ray_ps_plugin._codec import Codec, as_torch, to_numpy
 from ray_ps_plugin._nonfinite import all_finite
 from ray_ps_plugin._param.layout import pieces, single_dtype, split_bounds
 from ray_ps_plugin._param.shard import Reply
@@ -112,7 +112,7 @@ class ParamClient(ClientBase):
         # Whether a pass over the parameters' flat views writes the model itself
         # (contiguous CPU parameters), or the values go in with a copy afterwards.
         self._writes_in_place = not self._on_gpu and all(p.is_contiguous() for p in self._params)
-        self._np_dtype = self._base.numpy().dtype
+        self._np_dtype = to_numpy(self._base).dtype
         # Where each shard's delta is computed: straight into the shared memory of a
         # colocated shard (saving a copy), else into ``_delta`` for the wire.
         self._delta_parts = [
@@ -170,7 +170,7 @@ class ParamClient(ClientBase):
         after DDP's initial broadcast); it waits so a failure surfaces here."""
         if self.rank != 0:
             return
-        base = self._base.numpy()
+        base = to_numpy(self._base)
         handles = [
             self._transport.call(s, "init", self.model_id, base[a:b])
             for s, (a, b) in enumerate(self._slices())
@@ -319,7 +319,7 @@ class ParamClient(ClientBase):
         self.flush()
         self._generation += 1
         self._snapshot_params()
-        base = self._base.numpy()
+        base = to_numpy(self._base)
         if self.rank == 0:
             handles = [
                 self._transport.call(s, "reseed", self.model_id, self._generation, base[a:b])
@@ -388,7 +388,7 @@ class ParamClient(ClientBase):
         return list(zip(self._bounds, self._bounds[1:]))
 
     def _lane_tensor(self, seg: Segment, numel: int) -> torch.Tensor:
-        return torch.from_numpy(seg.view(0, self._np_dtype, numel))
+        return as_torch(seg.view(0, self._np_dtype, numel))
 
     def _install(self, replies: list[Reply], slot: int) -> None:
         """Writes the shards' replies into the model (and ``_base``)."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Piece", "pieces", "single_dtype", "split_bounds"]
+__all__ = ["ParamPiece", "pieces", "single_dtype", "split_bounds"]
 
 
 def split_bounds(numel: int, num_shards: int) -> list[int]:
@@ -24,7 +24,7 @@ def split_bounds(numel: int, num_shards: int) -> list[int]:
 
 
 @dataclass(frozen=True)
-class Piece:
+class ParamPiece:
     """The part of one parameter that lies in one shard's slice."""
 
     param: int  # index of the parameter
@@ -39,7 +39,7 @@ class Piece:
         return self.p1 - self.p0
 
 
-def pieces(numels: Sequence[int], bounds: Sequence[int]) -> list[Piece]:
+def pieces(numels: Sequence[int], bounds: Sequence[int]) -> list[ParamPiece]:
     """Cuts parameters of ``numels`` elements at the shard ``bounds`` (flat offsets)."""
     out = []
     offset = 0
@@ -47,7 +47,7 @@ def pieces(numels: Sequence[int], bounds: Sequence[int]) -> list[Piece]:
         for s, (a, b) in enumerate(itertools.pairwise(bounds)):
             lo, hi = max(offset, a), min(offset + n, b)
             if lo < hi:
-                out.append(Piece(i, lo - offset, hi - offset, s, lo - a, lo))
+                out.append(ParamPiece(i, lo - offset, hi - offset, s, lo - a, lo))
         offset += n
     return out
 

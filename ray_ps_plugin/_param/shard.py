@@ -14,8 +14,9 @@ is answered only once every worker has reached clock ``c - s``: the parameters t
 worker then trains on already contain every update of clock ``<= c - s`` from
 everybody. ``s = 0`` is bulk-synchronous; no bound (``"async"``) never waits.
 
-Master parameters are kept in the model's dtype, widened to fp32 for 16-bit models,
-so small updates are not lost to fp16 rounding.
+Master parameters are kept in the model's dtype, widened to fp32 for 16-bit models
+(fp16 and bf16), so small updates are not lost to 16-bit rounding: each worker's
+delta is added to the fp32 master, and workers receive it rounded to their dtype.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 
 from ray_ps_plugin._codec import Codec, as_torch
+from ray_ps_plugin._dtypes import model_dtype, storage
 from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
 from ray_ps_plugin._shard import ShardBase
 from ray_ps_plugin._shm import Segment, SegmentHandle
@@ -52,7 +54,7 @@ class Reply(NamedTuple):
 
 
 @dataclass
-class _Model:
+class _ParamState:
     """One prepared model's state on this shard."""
 
     num_workers: int
@@ -97,14 +99,14 @@ class ParamShard(ShardBase):
         super().__init__(shard_index, num_workers, timeout_s)
         self._codec = Codec(compression)
         self.staleness = staleness
-        self._models: dict[int, _Model] = {}
+        self._models: dict[int, _ParamState] = {}
         self._changed = asyncio.Condition()
         self._max_read_gap = 0
 
-    def _model(self, model: int) -> _Model:
+    def _model(self, model: int) -> _ParamState:
         state = self._models.get(model)
         if state is None:
-            state = self._models[model] = _Model(self.num_workers)
+            state = self._models[model] = _ParamState(self.num_workers)
         return state
 
     def attach(
@@ -132,19 +134,21 @@ class ParamShard(ShardBase):
 
         Args:
             model: The prepared model's id.
-            params: This shard's slice of the flattened parameters, model dtype.
+            params: This shard's slice of the flattened parameters, model dtype
+                (bfloat16 as ``int16`` patterns).
             clock: The clock every worker starts from.
 
         Returns:
             True if these parameters were adopted, False if the shard had some.
         """
-        self._check(model, 0, params.dtype.name)
+        dtype = model_dtype(params)
+        self._check(model, 0, dtype)
         state = self._model(model)
         if state.params is not None:
             return False
-        wide = torch.float32 if params.dtype.itemsize < 4 else getattr(torch, params.dtype.name)
+        wide = torch.float32 if params.dtype.itemsize < 4 else getattr(torch, dtype)
         state.params = as_torch(params).to(wide, copy=True)
-        state.dtype = params.dtype.name
+        state.dtype = dtype
         state.clocks = [clock] * self.num_workers
         self._bytes_in += params.nbytes
         state.initialised.set()
@@ -154,10 +158,22 @@ class ParamShard(ShardBase):
         """Replaces the parameters with ones a worker loaded (``load_state_dict``).
 
         Clocks stay: a load is not an update. Each generation is applied once.
+
+        Raises:
+            ShardProtocolError: The slice's dtype or size differs from the shard's
+                (a state dict of another model was loaded).
         """
+        dtype = model_dtype(params)
+        self._check(model, 0, dtype)
         state = self._model(model)
         await self._wait_initialised(state, model, 0)
         assert state.params is not None
+        if dtype != state.dtype or params.shape != tuple(state.params.shape):
+            raise ShardProtocolError(
+                f"shard {self.shard_index}: model {model}: a loaded state dict gives "
+                f"{dtype}{list(params.shape)} for a slice of {state.dtype}"
+                f"{list(state.params.shape)}; it belongs to another model."
+            )
         if generation > state.generation:
             state.params.copy_(as_torch(params))
             state.generation = generation
@@ -191,14 +207,14 @@ class ParamShard(ShardBase):
         with self._queued():
             params = await self._wait_initialised(state, model, rank)
             inputs = self._lane(state, model, rank)[0]
-            nbytes = params.numel() * np.dtype(state.dtype).itemsize
+            nbytes = params.numel() * storage(state.dtype).itemsize
             if inputs.handle.nbytes != nbytes:
                 raise ShardProtocolError(
                     f"shard {self.shard_index}: model {model}: rank {rank} attached a "
                     f"{inputs.handle.nbytes}-byte slice for {nbytes} bytes of parameters; "
                     "the workers' models differ."
                 )
-            delta = inputs.view(0, state.dtype, params.numel())
+            delta = inputs.view(0, storage(state.dtype), params.numel())
             return await self._push_pull(state, model, rank, clock, delta, delta.nbytes, slot)
 
     async def pull_local(self, model: int, rank: int, clock: int, slot: int) -> Reply:
@@ -253,7 +269,7 @@ class ParamShard(ShardBase):
 
     async def _push_pull(
         self,
-        state: _Model,
+        state: _ParamState,
         model: int,
         rank: int,
         clock: int,
@@ -290,7 +306,7 @@ class ParamShard(ShardBase):
             )
         return await self._read(state, model, rank, clock, slot)
 
-    async def _wait_initialised(self, state: _Model, model: int, rank: int) -> torch.Tensor:
+    async def _wait_initialised(self, state: _ParamState, model: int, rank: int) -> torch.Tensor:
         if not state.initialised.is_set():
             try:
                 await asyncio.wait_for(state.initialised.wait(), self.timeout_s)
@@ -304,7 +320,7 @@ class ParamShard(ShardBase):
         return state.params
 
     def _lane(
-        self, state: _Model, model: int, rank: int
+        self, state: _ParamState, model: int, rank: int
     ) -> tuple[Segment, tuple[Segment, Segment]]:
         lane = state.lanes.get(rank)
         if lane is None:
@@ -315,7 +331,7 @@ class ParamShard(ShardBase):
         return lane
 
     async def _read(
-        self, state: _Model, model: int, rank: int, clock: int, slot: int | None = None
+        self, state: _ParamState, model: int, rank: int, clock: int, slot: int | None = None
     ) -> Reply:
         if self.staleness is not None:
             need = clock - self.staleness
@@ -343,17 +359,14 @@ class ParamShard(ShardBase):
         slowest = state.slowest()
         self._max_read_gap = max(self._max_read_gap, clock - slowest)
         self.record_read(rank, clock, slowest)
-        values = state.params.numpy()
         if slot is not None:
             outputs = self._lane(state, model, rank)[1]
-            np.copyto(outputs[slot].view(0, state.dtype, values.size), values, casting="unsafe")
-            self._bytes_out += values.size * np.dtype(state.dtype).itemsize
+            held = outputs[slot].view(0, storage(state.dtype), state.params.numel())
+            as_torch(held).copy_(state.params)  # rounded to the model's dtype by torch
+            self._bytes_out += held.nbytes
             return Reply(None, tuple(state.clocks), slowest)
         # A fresh array: later updates must not change a reply Ray has not sent yet.
-        if self._codec.active:
-            out = self._codec.encode_np(values)
-        else:
-            out = values.astype(state.dtype, copy=True)
+        out = self._codec.encode_np(state.params.numpy(), state.dtype)
         self._bytes_out += out.nbytes
         return Reply(out, tuple(state.clocks), slowest)
 

@@ -34,10 +34,11 @@ import numpy as np
 import torch
 
 from ray_ps_plugin._client import ClientBase, ClientSetup
-from ray_ps_plugin._codec import Codec
+from ray_ps_plugin._codec import Codec, as_torch
+from ray_ps_plugin._dtypes import storage
 from ray_ps_plugin._errors import PSError
 from ray_ps_plugin._nonfinite import all_finite
-from ray_ps_plugin._sync.layout import Piece, StreamLayout, plan_layout, relay_groups
+from ray_ps_plugin._sync.layout import Chunk, StreamLayout, plan_layout, relay_groups
 from ray_ps_plugin._sync.topology import Route, Topology
 from ray_ps_plugin._sync.wire import WireStreams
 from ray_ps_plugin._torch_compat import queue_autograd_callback
@@ -52,7 +53,7 @@ logger = logging.getLogger(__name__)
 
 
 def _np_dtype(t: torch.Tensor) -> str:
-    """The NumPy name of a bucket's dtype (buckets are float16/32/64)."""
+    """The name of a bucket's dtype (one of ``_dtypes.MODEL_DTYPES``)."""
     return str(t.dtype).removeprefix("torch.")
 
 
@@ -60,7 +61,7 @@ def _np_dtype(t: torch.Tensor) -> str:
 class _Pending:
     step: int
     bucket: torch.Tensor
-    pieces: tuple[Piece, ...]
+    pieces: tuple[Chunk, ...]
     handles: list[Any]
     future: torch.futures.Future[torch.Tensor]
     started: float
@@ -237,7 +238,7 @@ class SumClient(ClientBase):
         buf: torch.Tensor,
         dtype: str,
         host: np.ndarray | None,
-        pieces: Sequence[Piece],
+        pieces: Sequence[Chunk],
         routes: Sequence[Route],
         handles: list[Any],
     ) -> dict[int, list[int]]:
@@ -279,7 +280,7 @@ class SumClient(ClientBase):
         buf: torch.Tensor,
         dtype: str,
         staged: torch.Tensor | None,
-        pieces: Sequence[Piece],
+        pieces: Sequence[Chunk],
         local: dict[int, list[int]],
         handles: list[Any],
     ) -> int:
@@ -299,7 +300,7 @@ class SumClient(ClientBase):
                 chunks = []
                 for i in group:
                     p = pieces[i]
-                    dst = torch.from_numpy(lane.inputs.view(p.key - lane.lo, dtype, p.numel))
+                    dst = as_torch(lane.inputs.view(p.key - lane.lo, storage(dtype), p.numel))
                     if staged is None:
                         torch.div(buf[p.start : p.stop], self.world_size, out=dst)
                     else:
@@ -326,7 +327,7 @@ class SumClient(ClientBase):
         self,
         buf: torch.Tensor,
         dtype: str,
-        pieces: Sequence[Piece],
+        pieces: Sequence[Chunk],
         routes: Sequence[Route],
         messages: int,
     ) -> None:
@@ -411,6 +412,7 @@ class SumClient(ClientBase):
         finite = True
         bucket = item.bucket
         dtype = _np_dtype(bucket)
+        held = storage(dtype)
         wire_dtype = self._codec.wire_np_dtype(dtype)
         groups = list(calls.values())
         for k, indices in enumerate(groups):
@@ -439,8 +441,8 @@ class SumClient(ClientBase):
                     nbytes += p.numel * bucket.element_size()  # DDP reads it in place
                     continue
                 if lane is not None:
-                    r = lane.outputs[item.step % 2].view(p.key - lane.lo, dtype, p.numel)
-                    bucket[p.start : p.stop].copy_(torch.from_numpy(r))
+                    r = lane.outputs[item.step % 2].view(p.key - lane.lo, held, p.numel)
+                    bucket[p.start : p.stop].copy_(as_torch(r))
                 else:
                     r = result.view(wire_dtype) if result.dtype == np.uint8 else result
                     bucket[p.start : p.stop].copy_(self._codec.decode(r, bucket.dtype))
@@ -454,8 +456,8 @@ class SumClient(ClientBase):
             # no worker pushes before every worker's DDP has read this sum.
             lane = self._lanes[item.in_place]
             first = item.pieces[0]
-            view = lane.outputs[item.step % 2].view(first.key - lane.lo, dtype, bucket.numel())
-            bucket = torch.from_numpy(view)
+            view = lane.outputs[item.step % 2].view(first.key - lane.lo, held, bucket.numel())
+            bucket = as_torch(view)
             if self.guard.policy != "ignore":
                 finite = all_finite(bucket)
         if not finite:

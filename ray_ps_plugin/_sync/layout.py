@@ -34,7 +34,7 @@ from dataclasses import dataclass
 __all__ = [
     "SHARD_MAX_CONCURRENCY",
     "TAPER_MIN_BYTES",
-    "Piece",
+    "Chunk",
     "StreamLayout",
     "auto_chunk_bytes",
     "check_concurrency",
@@ -47,7 +47,7 @@ TAPER_MIN_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
-class Piece:
+class Chunk:
     """One chunk of a bucket, bound for one shard.
 
     Attributes:
@@ -110,7 +110,7 @@ class StreamLayout:
             self._range_cuts(lo, hi, chunk_bytes, taper)
             for lo, hi in itertools.pairwise(self.bounds)
         ]
-        self._cache: dict[tuple[int, int, int], tuple[Piece, ...]] = {}
+        self._cache: dict[tuple[int, int, int], tuple[Chunk, ...]] = {}
 
     @staticmethod
     def _range_cuts(lo: int, hi: int, chunk: int, taper: bool) -> list[int]:
@@ -151,7 +151,7 @@ class StreamLayout:
             cuts.update(inside[bisect.bisect_right(inside, lo) : bisect.bisect_left(inside, hi)])
         return sorted(cuts)
 
-    def cut(self, stream_offset: int, numel: int, itemsize: int) -> tuple[Piece, ...]:
+    def cut(self, stream_offset: int, numel: int, itemsize: int) -> tuple[Chunk, ...]:
         """Cuts one bucket into pieces.
 
         Args:
@@ -189,7 +189,7 @@ class StreamLayout:
         )
         edges = [0, *elem_cuts, numel]
         pieces = tuple(
-            Piece(
+            Chunk(
                 shard=self.shard_of(stream_offset + a * itemsize),
                 key=stream_offset + a * itemsize,
                 start=a,

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ray_ps_plugin._codec import Codec
-from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
+from ray_ps_plugin._dtypes import BF16_BITS, bf16_to_f32, storage
+from ray_ps_plugin._errors import ShardLinkError, ShardProtocolError, ShardTimeoutError
 from ray_ps_plugin._shard import ShardBase
 from ray_ps_plugin._shm import Segment, SegmentHandle
 from ray_ps_plugin._sync.topology import Topology
@@ -41,19 +42,22 @@ class _Slot:
     """Accumulator of one chunk for one step."""
 
     step: int
-    acc: np.ndarray
+    acc: np.ndarray  # the sum, in the dtype the shard computes in
     expected: frozenset[int]  # the sources whose pushes complete it
     owner: int  # the shard that owns the chunk (another one: this shard relays)
     ranks: set[int] = field(default_factory=set)  # sources that pushed so far
     wire: np.ndarray | None = None  # the sum in the wire format, once complete
     shared: bool = False  # whether ``acc`` lies in the model's output segment
+    # Where this node's workers read the sum when it is held differently from
+    # ``acc`` (bfloat16 patterns in the output segment, while ``acc`` is float32).
+    out: np.ndarray | None = None
     wired: bool = False  # whether some worker pushed (and so pulls) through the wire
     done: asyncio.Event = field(default_factory=asyncio.Event)
     error: Exception | None = None  # why a relayed sum failed, for every waiter
 
 
 @dataclass
-class _Model:
+class _SumState:
     """One prepared model's state on this shard."""
 
     # Two slots per chunk, by step parity. A worker can push step s+2 only after
@@ -86,7 +90,7 @@ class SumShard(ShardBase):
     ) -> None:
         super().__init__(shard_index, num_workers, timeout_s)
         self._codec = Codec(compression)
-        self._models: dict[int, _Model] = {}
+        self._models: dict[int, _SumState] = {}
         self._topology: Topology | None = None
         self._own_sources = frozenset(range(num_workers))
         self._relayed: frozenset[int] = frozenset()
@@ -105,7 +109,7 @@ class SumShard(ShardBase):
                 import ray
 
                 host = ray.util.get_node_ip_address()
-            self._wire_server = WireServer(self._on_frame, token)
+            self._wire_server = WireServer(self._on_frame, token, self.timeout_s)
             self._address = await self._wire_server.start(host)
         return self._address
 
@@ -136,7 +140,9 @@ class SumShard(ShardBase):
             chunks = unpack_local(payload)
             await self.push_local(frame.model, frame.step, frame.source, frame.dtype, chunks)
             return _NO_DATA
-        self._check(frame.model, 0, frame.dtype)
+        # A frame's source is a rank or a relay's id; it is checked against the
+        # topology instead of the rank range.
+        self._check(frame.model, None, frame.dtype)
         if frame.source not in self._own_sources:
             raise ShardProtocolError(
                 f"shard {self.shard_index}: source {frame.source} "
@@ -146,13 +152,20 @@ class SumShard(ShardBase):
         values = self._codec.decode_np(wire, frame.dtype)
         with self._queued():
             out = await self._push_pull(
-                frame.model, frame.step, frame.key, frame.source, values, payload.nbytes, True
+                frame.model,
+                frame.step,
+                frame.key,
+                frame.source,
+                values,
+                frame.dtype,
+                payload.nbytes,
+                True,
             )
         assert out is not None
         return out
 
-    def _model(self, model: int) -> _Model:
-        return self._models.setdefault(model, _Model())
+    def _model(self, model: int) -> _SumState:
+        return self._models.setdefault(model, _SumState())
 
     def attach(
         self, model: int, rank: int, inputs: SegmentHandle, lo: int, nbytes: int
@@ -239,11 +252,13 @@ class SumShard(ShardBase):
                     f"shard {self.shard_index}: owner {owner!r} is not a shard index."
                 )
             # Segment.view refuses a range outside the segment.
-            grads.append((key, segment.view(key - state.lo, dtype, numel), owner))
+            grads.append((key, segment.view(key - state.lo, storage(dtype), numel), owner))
         with self._queued():
             await asyncio.gather(
                 *(
-                    self._push_pull(model, step, key, rank, grad, grad.nbytes, False, owner)
+                    self._push_pull(
+                        model, step, key, rank, _values(grad), dtype, grad.nbytes, False, owner
+                    )
                     for key, grad, owner in grads
                 )
             )
@@ -284,7 +299,9 @@ class SumShard(ShardBase):
         self._check(model, rank, dtype)
         with self._queued():
             values = self._codec.decode_np(grad, dtype)  # sums in the model's dtype
-            out = await self._push_pull(model, step, key, rank, values, grad.nbytes, True, owner)
+            out = await self._push_pull(
+                model, step, key, rank, values, dtype, grad.nbytes, True, owner
+            )
         assert out is not None  # a push by wire is answered by wire
         return out
 
@@ -295,12 +312,13 @@ class SumShard(ShardBase):
         key: int,
         rank: int,
         grad: np.ndarray,
+        dtype: str,
         nbytes: int,
         wire: bool,
         owner: int | None = None,
     ) -> np.ndarray | None:
         owner = self.shard_index if owner is None else owner
-        slot = self._slot_for(model, step, key, grad, owner)
+        slot = self._slot_for(model, step, key, grad, dtype, owner)
         if rank not in slot.expected:
             raise ShardProtocolError(
                 f"shard {self.shard_index}: model {model}: step {step}, chunk at byte {key}: "
@@ -320,9 +338,9 @@ class SumShard(ShardBase):
             self._bytes_in += nbytes
             if len(slot.ranks) == len(slot.expected):
                 if owner == self.shard_index:
-                    self._complete(model, slot, key)
+                    self._complete(model, slot, key, dtype)
                 else:
-                    await self._relay(model, slot, key, grad.dtype.name)
+                    await self._relay(model, slot, key, dtype)
         if not slot.done.is_set():
             try:
                 await asyncio.wait_for(slot.done.wait(), self.timeout_s)
@@ -336,40 +354,54 @@ class SumShard(ShardBase):
                 ) from None
         if slot.error is not None:
             raise slot.error
-        if not wire or not self._codec.active:
-            self._bytes_out += slot.acc.nbytes
-            return slot.acc if wire else None  # shared memory: the worker reads it there
-        assert slot.wire is not None  # set by _complete: this push came by wire
-        self._bytes_out += slot.wire.nbytes
-        return slot.wire
+        if not wire:
+            self._bytes_out += slot.acc.nbytes if slot.out is None else slot.out.nbytes
+            return None  # shared memory: the worker reads it there
+        # A converted sum is in ``wire`` (set on completion: this push came by wire).
+        answer = slot.acc if slot.wire is None else slot.wire
+        self._bytes_out += answer.nbytes
+        return answer
 
-    def _share(self, model: int, slot: _Slot, key: int) -> None:
-        """Moves a finished slot's accumulator into the model's output segment.
+    def _share(self, model: int, slot: _Slot, key: int, dtype: str) -> None:
+        """Places a finished slot's sum where this node's workers read it: moves the
+        accumulator into the model's output segment, or, where the segment holds the
+        sum in another form (bfloat16 patterns), points ``slot.out`` at its place.
 
-        Needed when the slot began before a worker attached (only possible in step 1):
-        workers of this node read the result there.
+        Moving is needed when the slot began before a worker attached (only possible
+        in step 1).
         """
         state = self._models[model]
-        if state.outputs and not slot.shared:
-            out = self._output_view(state, slot.step, key, slot.acc)
+        if not state.outputs or slot.shared or slot.out is not None:
+            return
+        held = storage(dtype)
+        out = self._output_view(state, slot.step, key, held, slot.acc.size)
+        if held == slot.acc.dtype:
             np.copyto(out, slot.acc)
             slot.acc, slot.shared = out, True
+        else:
+            slot.out = out
 
-    def _complete(self, model: int, slot: _Slot, key: int) -> None:
+    def _complete(self, model: int, slot: _Slot, key: int, dtype: str) -> None:
         """Makes the finished sum readable by every worker, then releases them."""
-        self._share(model, slot, key)
-        if self._codec.active and slot.wired:
+        self._share(model, slot, key, dtype)
+        if slot.out is not None:
+            # bfloat16: the patterns go into the output segment, and are the wire
+            # format as well (bfloat16 travels as bfloat16).
+            self._codec.encode_np(slot.acc, dtype, out=slot.out)
+            slot.wire = slot.out
+        elif self._codec.converts(dtype) and slot.wired:
             # Some workers receive the sum on the wire: round it once, in place, so a
             # worker reading shared memory gets exactly the values they decode. (When
             # every worker shares memory, nothing is encoded and nothing rounded.)
-            slot.wire = self._codec.encode_np(slot.acc)
-            np.copyto(slot.acc, self._codec.decode_np(slot.wire, slot.acc.dtype.name))
+            slot.wire = self._codec.encode_np(slot.acc, dtype)
+            np.copyto(slot.acc, self._codec.decode_np(slot.wire, dtype))
         slot.done.set()
 
     async def _relay(self, model: int, slot: _Slot, key: int, dtype: str) -> None:
         """Sends this node's partial sum to the owner; leaves the answer for every
         local waiter. A failure fails all of them with the same error."""
-        self._share(model, slot, key)
+        self._share(model, slot, key, dtype)
+        converts = self._codec.converts(dtype)
         try:
             if self._relay_streams is None or self._topology is None:
                 raise ShardProtocolError(
@@ -384,9 +416,9 @@ class SumShard(ShardBase):
                     key,
                     self._topology.relay_source(self.shard_index),
                     dtype,
-                    self._codec.encode_np(slot.acc) if self._codec.active else slot.acc,
-                    # Uncompressed, the answer lands in the accumulator itself.
-                    None if self._codec.active else slot.acc,
+                    self._codec.encode_np(slot.acc, dtype) if converts else slot.acc,
+                    # Unconverted, the answer lands in the accumulator itself.
+                    None if converts else slot.acc,
                 )
             )
             # Not cancelled on timeout: a half-sent frame would corrupt the stream.
@@ -399,13 +431,15 @@ class SumShard(ShardBase):
                     f"partial sum within {self.timeout_s:g}s."
                 )
             answer = push.result().view(self._codec.wire_np_dtype(dtype))
-            if answer.ctypes.data != slot.acc.ctypes.data:
+            if slot.out is not None:
+                np.copyto(slot.out, answer)  # bfloat16 patterns, as this node reads them
+            elif answer.ctypes.data != slot.acc.ctypes.data:
                 np.copyto(slot.acc, self._codec.decode_np(answer, dtype))
-            if self._codec.active and slot.wired:
+            if converts and slot.wired:
                 slot.wire = answer
         except Exception as e:
             if not isinstance(e, (ShardTimeoutError, ShardProtocolError)):
-                e = ShardProtocolError(
+                e = ShardLinkError(
                     f"shard {self.shard_index}: relaying to shard {slot.owner} failed: {e}"
                 )
             slot.error = e
@@ -413,10 +447,14 @@ class SumShard(ShardBase):
             slot.done.set()
 
     @staticmethod
-    def _output_view(state: _Model, step: int, key: int, like: np.ndarray) -> np.ndarray:
-        return state.outputs[step % 2].view(key - state.lo, like.dtype, like.size)
+    def _output_view(
+        state: _SumState, step: int, key: int, dtype: np.dtype, size: int
+    ) -> np.ndarray:
+        return state.outputs[step % 2].view(key - state.lo, dtype, size)
 
-    def _slot_for(self, model: int, step: int, key: int, grad: np.ndarray, owner: int) -> _Slot:
+    def _slot_for(
+        self, model: int, step: int, key: int, grad: np.ndarray, dtype: str, owner: int
+    ) -> _Slot:
         state = self._model(model)
         slot = state.slots.get((key, step % 2))
         where = f"shard {self.shard_index}: model {model}: step {step}, chunk at byte {key}"
@@ -437,9 +475,11 @@ class SumShard(ShardBase):
                 f"{where} started while step {slot.step} still waits for "
                 f"{missing or 'the owner shard'}."
             )
-        shared = bool(state.outputs)
+        # The sum is accumulated in the output segment itself where the segment holds
+        # it in the dtype the shard computes in (not bfloat16 patterns).
+        shared = bool(state.outputs) and storage(dtype) == grad.dtype
         if shared:
-            acc = self._output_view(state, step, key, grad)
+            acc = self._output_view(state, step, key, grad.dtype, grad.size)
         elif slot is not None and slot.acc.shape == grad.shape and slot.acc.dtype == grad.dtype:
             acc = slot.acc  # reuse the buffer: no allocation in the steady state
         else:
@@ -455,3 +495,8 @@ class SumShard(ShardBase):
         slot = _Slot(step=step, acc=acc, expected=expected, owner=owner, shared=shared)
         state.slots[(key, step % 2)] = slot
         return slot
+
+
+def _values(held: np.ndarray) -> np.ndarray:
+    """Values a worker left in shared memory, in the dtype the shard sums in."""
+    return bf16_to_f32(held) if held.dtype == BF16_BITS else held

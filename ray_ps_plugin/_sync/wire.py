@@ -57,6 +57,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ray_ps_plugin._dtypes import MODEL_DTYPES
+
 __all__ = [
     "DTYPES",
     "Frame",
@@ -74,8 +76,8 @@ _MAGIC = b"PSW1"
 PUSH, ANSWER, ERROR, LOCAL = 0, 1, 2, 3
 
 #: Element types a frame may name (the model's dtype; the payload is in the wire
-#: format the run's compression chooses).
-DTYPES = ("float16", "float32", "float64")
+#: format the run's compression chooses), by their index in the header.
+DTYPES = MODEL_DTYPES
 
 #: Length of the per-run token a connection starts with.
 TOKEN_BYTES = 32
@@ -202,13 +204,16 @@ class WireServer:
         handler: Called with each push's header and payload; returns the answer's
             payload, or raises (the pusher then gets the error's message).
         token: The run's secret; a connection that does not start with it is closed.
+        token_timeout_s: How long a new connection may take to present the token
+            (the run's ``ps_timeout_s``) before it is closed.
     """
 
-    def __init__(self, handler: Handler, token: bytes) -> None:
+    def __init__(self, handler: Handler, token: bytes, token_timeout_s: float = 30.0) -> None:
         if len(token) != TOKEN_BYTES:
             raise ValueError(f"the token must be {TOKEN_BYTES} bytes")
         self._handler = handler
         self._token = token
+        self._token_timeout_s = token_timeout_s
         self._listener: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Future[None]] = set()
@@ -248,7 +253,7 @@ class WireServer:
         sender = _Sender(conn, "ps-wire-answer")
         try:
             presented = bytearray(TOKEN_BYTES)
-            conn.settimeout(30.0)
+            conn.settimeout(self._token_timeout_s)
             _recv_exact_blocking(conn, memoryview(presented))
             if not hmac.compare_digest(bytes(presented), self._token):
                 logger.warning("closed a data-path connection without the run's token")

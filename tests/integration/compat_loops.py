@@ -81,7 +81,7 @@ def attempt(errors: dict[str, str], name: str, fn: Callable[[], T]) -> T | None:
     """Runs one pattern; records its first failure under ``name`` instead of raising."""
     try:
         return fn()
-    except Exception as e:  # noqa: BLE001 - the matrix wants every pattern's outcome
+    except Exception as e:
         errors.setdefault(name, describe(e))
         return None
 
@@ -819,6 +819,58 @@ def twins_loop(config: dict[str, Any]) -> None:
         {"errors": errors, "initial": initial},
         extra_states=states,
         final_eval=lambda: {"final": twin_losses(unwrap(q1), unwrap(q2))},
+        case=config.get("case", ""),
+    )
+
+
+# --- bfloat16 weights ------------------------------------------------------------------
+
+BF16_PHASES = ("adamw", "sgd_momentum")
+
+
+def bf16_loop(config: dict[str, Any]) -> None:
+    """Weights loaded in bfloat16 (``model.to(torch.bfloat16)``, what
+    ``from_pretrained(..., torch_dtype=torch.bfloat16)`` gives): two models, one
+    with AdamW (LLM fine-tuning's optimizer), one with momentum SGD, inputs cast to
+    bf16, the loss taken in fp32. Records each model's held-out loss before and
+    after, and its parameters after each phase.
+
+    Config: ``steps_per_phase``.
+    """
+    rank, _ = rank_and_world()
+    errors: dict[str, str] = {}
+    nets = {name: mlp(seed=10 + i).to(torch.bfloat16) for i, name in enumerate(BF16_PHASES)}
+    models = {name: ray.train.torch.prepare_model(net) for name, net in nets.items()}
+    opts = {
+        "adamw": torch.optim.AdamW(models["adamw"].parameters(), lr=1e-2),
+        "sgd_momentum": torch.optim.SGD(models["sgd_momentum"].parameters(), lr=2e-2, momentum=0.9),
+    }
+
+    def loss_of(module: nn.Module) -> float:
+        x, y = eval_batch()
+        with torch.no_grad():
+            return F.mse_loss(module(x.to(torch.bfloat16)).float(), y).item()
+
+    initial = {name: loss_of(unwrap(m)) for name, m in models.items()}
+    states: dict[str, Any] = {}
+    for name in BF16_PHASES:
+        model, opt = models[name], opts[name]
+
+        def phase(model: nn.Module = model, opt: torch.optim.Optimizer = opt) -> None:
+            for step in range(config["steps_per_phase"]):
+                x, y = regression_batch(step, rank)
+                opt.zero_grad()
+                F.mse_loss(model(x.to(torch.bfloat16)).float(), y).backward()
+                opt.step()
+
+        attempt(errors, name, phase)
+        if rank == 0:
+            states[f"after_{name}"] = snapshot(unwrap(model))
+    finish(
+        models,
+        {"errors": errors, "initial": initial},
+        extra_states=states,
+        final_eval=lambda: {"final": {n: loss_of(unwrap(m)) for n, m in models.items()}},
         case=config.get("case", ""),
     )
 

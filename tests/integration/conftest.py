@@ -12,12 +12,12 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # worker takes milliseconds. (The raylets this session starts inherit these.)
 os.environ.setdefault("TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S", "5")
 
-import pytest  # noqa: E402
-import ray  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
-from ray import cloudpickle  # noqa: E402
+import pytest
+import ray
+from ray import cloudpickle
+from ray.cluster_utils import Cluster
 
-from tests.integration import compat_loops, digits, faults, loops  # noqa: E402
+from tests.integration import compat_loops, digits, faults, loops
 
 # Workers cannot import the tests package; ship the loops by value.
 cloudpickle.register_pickle_by_value(loops)
@@ -36,8 +36,11 @@ def ray_cluster():
     """
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 2, "include_dashboard": False,
-                        "object_store_memory": 300 * 1024 * 1024},
+        head_node_args={
+            "num_cpus": 2,
+            "include_dashboard": False,
+            "object_store_memory": 300 * 1024 * 1024,
+        },
     )
     cluster.add_node(num_cpus=2, object_store_memory=300 * 1024 * 1024)
     cluster.wait_for_nodes()

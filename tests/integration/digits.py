@@ -116,7 +116,7 @@ def probe_servers(model: nn.Module) -> dict[str, Any]:
     pulled = [ray.get(s.pull.remote(0, 0, clock), timeout=30) for s in servers]
     flat_server = torch.from_numpy(np.concatenate([r[0] for r in pulled]))
     # Redeliver rank 0's last update (same clock) with a huge delta: must be ignored.
-    bounds = [0] + list(np.cumsum([r[0].size for r in pulled]))
+    bounds = [0, *list(np.cumsum([r[0].size for r in pulled]))]
     replies = [
         ray.get(s.push_pull.remote(0, 0, clock, np.full(b - a, 1e6, dtype=np.float32)), timeout=30)
         for s, a, b in zip(servers, bounds, bounds[1:])

@@ -77,9 +77,8 @@ def resumable_loop(config: dict[str, Any]) -> None:
             probe = _server_vs(model, state["model"])
             Path(config["marker_dir"], "restored_server_vs_checkpoint").write_text(repr(probe))
         ray.train.collective.barrier()  # nobody pushes before the probe has read
-    steps_run = 0
     preempted_at = None
-    for step in range(start, config["steps"]):
+    for steps_run, step in enumerate(range(start, config["steps"]), 1):
         if rank == 0 and step == config.get("stop_step") and _once(config, "stop"):
             from tests.integration.loops import run_servers
 
@@ -87,8 +86,11 @@ def resumable_loop(config: dict[str, Any]) -> None:
             pid = ray.get(server.ready.remote(), timeout=30)["pid"]
             Path(config["marker_dir"], "stopped_at").write_text(repr(time.monotonic()))
             os.kill(pid, signal.SIGSTOP)  # hangs; ray.kill at shutdown still ends it
-        if rank == config.get("lose_node_rank") and step == config.get("lose_node_step") \
-                and _once(config, "lose_node"):
+        if (
+            rank == config.get("lose_node_rank")
+            and step == config.get("lose_node_step")
+            and _once(config, "lose_node")
+        ):
             # Ask the test driver to remove this worker's node, and wait to be killed.
             node = ray.get_runtime_context().get_node_id()
             Path(config["marker_dir"], "node_to_remove").write_text(node)
@@ -101,14 +103,17 @@ def resumable_loop(config: dict[str, Any]) -> None:
             loss = loss * float("nan")
         opt.zero_grad()
         loss.backward()
-        if rank == config.get("fail_rank") and step == config.get("fail_step") and _once(config, "fail"):
+        if (
+            rank == config.get("fail_rank")
+            and step == config.get("fail_step")
+            and _once(config, "fail")
+        ):
             os._exit(1)  # the process dies mid-step: no cleanup, no report
         if rank == 0 and step == config.get("kill_step") and _once(config, "kill"):
             from tests.integration.loops import run_servers
 
             ray.kill(run_servers()[config["kill_shard"]], no_restart=True)
         opt.step()
-        steps_run += 1
         if preempted_at is not None:  # a step after the preemption checkpoint
             Path(config["marker_dir"], f"steps_after_preempt_{rank}_{step}").touch()
         preempted = config.get("preemption") and _preemption_checkpoint(config, rank, step)
@@ -125,8 +130,11 @@ def resumable_loop(config: dict[str, Any]) -> None:
                 ckpt = None
                 if rank == 0:
                     torch.save(
-                        {"model": model.module.state_dict(), "optimizer": opt.state_dict(),
-                         "step": step + 1},
+                        {
+                            "model": model.module.state_dict(),
+                            "optimizer": opt.state_dict(),
+                            "step": step + 1,
+                        },
                         f"{d}/state.pt",
                     )
                     ckpt = ray.train.Checkpoint.from_directory(d)

@@ -149,16 +149,12 @@ def load_state(result: ray.train.Result) -> dict[str, torch.Tensor]:
 def live_shards() -> int:
     """Shard actors that are not dead, cluster-wide (GCS table; no dashboard needed)."""
     return sum(
-        1
-        for a in actor_table()
-        if a["ActorClassName"].endswith("Shard") and a["State"] != "DEAD"
+        1 for a in actor_table() if a["ActorClassName"].endswith("Shard") and a["State"] != "DEAD"
     )
 
 
 def live_placement_groups() -> int:
-    return sum(
-        1 for pg in ray.util.placement_group_table().values() if pg["state"] != "REMOVED"
-    )
+    return sum(1 for pg in ray.util.placement_group_table().values() if pg["state"] != "REMOVED")
 
 
 def wait_until(pred, timeout_s: float = 20.0) -> bool:
@@ -171,9 +167,9 @@ def wait_until(pred, timeout_s: float = 20.0) -> bool:
 
 
 # --- failure injection in the backend -------------------------------------------
-from ray_ps_plugin import PSConfig  # noqa: E402
-from ray_ps_plugin._param.shard import ParamShard  # noqa: E402
-from ray_ps_plugin.config import PSBackend  # noqa: E402
+from ray_ps_plugin import PSConfig
+from ray_ps_plugin._param.shard import ParamShard
+from ray_ps_plugin.config import PSBackend
 
 
 class _FailAfterServersBackend(PSBackend):
@@ -202,7 +198,9 @@ def tune_loop(config: dict[str, Any]) -> None:
     """
     rank = ray.train.get_context().get_world_rank()
     torch.manual_seed(rank)
-    model = ray.train.torch.prepare_model(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)))
+    model = ray.train.torch.prepare_model(
+        nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    )
     opt = torch.optim.SGD(model.parameters(), lr=config["lr"])
     x, y = torch.randn(32, 8), torch.randint(0, 2, (32,))
     ctx = get_ps_context()
@@ -214,7 +212,10 @@ def tune_loop(config: dict[str, Any]) -> None:
         opt.step()
         if i == 0 and ctx is not None and rank == 0 and config.get("expect_live_shards"):
             ownership = _rendezvous(config["expect_live_shards"], config["rendezvous_dir"])
-        metrics: dict[str, Any] = {"loss": loss.item(), "score": config.get("quality", 1.0) * (i + 1)}
+        metrics: dict[str, Any] = {
+            "loss": loss.item(),
+            "score": config.get("quality", 1.0) * (i + 1),
+        }
         if ctx is not None:
             metrics.update(
                 ps_num_servers=ctx.num_servers,
@@ -266,9 +267,7 @@ def shards_per_controller() -> dict[str, Any]:
 def live_reapers() -> int:
     """Placement-group reapers of ray_ps_plugin.tune still alive (each exits with its run)."""
     return sum(
-        1
-        for a in actor_table()
-        if a["ActorClassName"].endswith("_Reaper") and a["State"] != "DEAD"
+        1 for a in actor_table() if a["ActorClassName"].endswith("_Reaper") and a["State"] != "DEAD"
     )
 
 

@@ -114,6 +114,7 @@ CASES: dict[str, Case] = {
     "single_model": Case(cl.single_model_loop, {"steps_per_phase": 3}),
     "gan": Case(cl.gan_loop, {"steps_per_phase": 8}),
     "twins": Case(cl.twins_loop, {"steps_per_phase": 8}),
+    "bf16": Case(cl.bf16_loop, {"steps_per_phase": 12}),
     "resume": Case(cl.resume_loop, {"steps": RESUME["steps"], "every": RESUME["every"]}),
 }
 # The cases of each mode's shared run, in order. resume_loop reads any checkpoint as
@@ -220,7 +221,7 @@ class Runs:
         error = None
         try:
             trainer.fit()
-        except Exception as e:  # noqa: BLE001 - recorded; the tests that read it fail
+        except Exception as e:
             error = e
         seconds = time.monotonic() - t0
         for case in cases:
@@ -298,7 +299,7 @@ def assert_same_as_ddp(runs: Runs, case: str, key: str | None = None) -> None:
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("case", ["single_model", "gan", "twins"])
+@pytest.mark.parametrize("case", ["single_model", "gan", "twins", "bf16"])
 def test_run_finishes_cleanly(runs, case, mode):
     """No failure after the loop's patterns (final flush, state_dict(), the plugin's
     teardown): the per-pattern tests read the final checkpoint even when ``fit()``
@@ -455,6 +456,26 @@ def test_twins_each_learn_their_own_target(runs, mode):
         assert final[f"{q}_own"] < 0.5 * init[f"{q}_own"], (q, init, final)
         # Not a blend of the two: each fits its own target far better than the other's.
         assert final[f"{q}_own"] < 0.5 * final[f"{q}_cross"], (q, final)
+
+
+# --- bfloat16 weights ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("phase", cl.BF16_PHASES)
+def test_bf16_weights_phase(runs, phase, mode):
+    """bf16 weights train in every mode and stay bf16; sync ends with DDP's
+    parameters (2 workers: an fp32 sum of two bf16 values rounded once to bf16 is
+    what Gloo's bf16 all-reduce computes too, so they agree to the bit)."""
+    run = runs.get("bf16", mode)
+    assert_no_error(run, phase)
+    after = run.states[f"after_{phase}"]
+    assert all(t.dtype == torch.bfloat16 for t in after.values())
+    assert all_finite(after)
+    m = run.metrics
+    assert m["final"][phase] < 0.7 * m["initial"][phase], (m["initial"], m["final"])
+    if mode == "sync":
+        assert_phase_same_as_ddp(runs, "bf16", cl.BF16_PHASES, phase)
 
 
 # --- resume from a checkpoint after a worker died -----------------------------------------

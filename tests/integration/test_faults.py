@@ -32,7 +32,8 @@ def _fit(tmp_path, name, retries=0, loop=faults.resumable_loop, **config):
         ps_config=PSConfig(**ps_kwargs),
         scaling_config=SCALING,
         run_config=RunConfig(
-            storage_path=str(tmp_path / "storage"), name=name,
+            storage_path=str(tmp_path / "storage"),
+            name=name,
             failure_config=FailureConfig(max_failures=retries),
         ),
     ).fit()
@@ -82,8 +83,13 @@ KILLED_TIMEOUT_S = 30.0
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_killed_shard_without_retries_fails_fast_naming_the_shard(tmp_path, mode):
     with pytest.raises(TrainingFailedError, match=r"server shard\(s\) \[1\] failed") as info:
-        _fit(tmp_path, f"shard_dies_hard_{mode}", kill_shard=1, kill_step=7,
-             ps={"ps_timeout_s": KILLED_TIMEOUT_S, "mode": mode})
+        _fit(
+            tmp_path,
+            f"shard_dies_hard_{mode}",
+            kill_shard=1,
+            kill_step=7,
+            ps={"ps_timeout_s": KILLED_TIMEOUT_S, "mode": mode},
+        )
     assert any(isinstance(e, PSError) for e in loops.worker_errors(info.value))
     # A dead actor fails its calls at once: fit() has raised (shutdown included)
     # before ps_timeout_s could have run out, so the death was seen, not timed out
@@ -94,8 +100,9 @@ def test_killed_shard_without_retries_fails_fast_naming_the_shard(tmp_path, mode
 
 
 def test_killed_shard_in_async_restarts_and_the_new_shards_adopt_the_checkpoint(tmp_path):
-    result = _fit(tmp_path, "async_shard_dies", retries=1, kill_shard=1, kill_step=12,
-                  ps={"mode": "async"})
+    result = _fit(
+        tmp_path, "async_shard_dies", retries=1, kill_shard=1, kill_step=12, ps={"mode": "async"}
+    )
     m = result.metrics
     assert m["step"] == STEPS and 0 < m["start"] <= 12
     probe = tmp_path / "markers-async_shard_dies" / "restored_server_vs_checkpoint"
@@ -108,8 +115,13 @@ HUNG_TIMEOUT_S = 5.0
 
 def test_hung_shard_fails_every_worker_in_bounded_time_naming_it(tmp_path):
     with pytest.raises(TrainingFailedError) as info:
-        _fit(tmp_path, "shard_hangs", stop_shard=1, stop_step=7,
-             ps={"ps_timeout_s": HUNG_TIMEOUT_S, "mode": "ssp", "staleness": 1})
+        _fit(
+            tmp_path,
+            "shard_hangs",
+            stop_shard=1,
+            stop_step=7,
+            ps={"ps_timeout_s": HUNG_TIMEOUT_S, "mode": "ssp", "staleness": 1},
+        )
     errors = loops.worker_errors(info.value)
     assert errors
     for e in errors:
@@ -123,8 +135,14 @@ def test_hung_shard_fails_every_worker_in_bounded_time_naming_it(tmp_path):
 
 
 def test_hung_shard_with_retries_recovers_exactly_in_sync(reference, tmp_path):
-    result = _fit(tmp_path, "shard_hangs_sync", retries=1, stop_shard=1, stop_step=12,
-                  ps={"ps_timeout_s": HUNG_TIMEOUT_S})
+    result = _fit(
+        tmp_path,
+        "shard_hangs_sync",
+        retries=1,
+        stop_shard=1,
+        stop_step=12,
+        ps={"ps_timeout_s": HUNG_TIMEOUT_S},
+    )
     assert 0 < result.metrics["start"] <= 12
     _assert_exact(faults.load(result), reference)
     _no_leaks()
@@ -132,13 +150,19 @@ def test_hung_shard_with_retries_recovers_exactly_in_sync(reference, tmp_path):
 
 # Workers that need a "slot" land on two fresh nodes only; the head and the session's
 # second node have none, so when one fresh node goes the survivor takes both workers.
-SLOT_SCALING = ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5, "slot": 1},
-                             placement_strategy="SPREAD")
+SLOT_SCALING = ScalingConfig(
+    num_workers=2, resources_per_worker={"CPU": 0.5, "slot": 1}, placement_strategy="SPREAD"
+)
 
 
 @contextlib.contextmanager
-def _a_node_goes(ray_cluster, marker_dir: Path, marker: str, graceful: bool = False,
-                 before: Callable[[str], bool] | None = None) -> Iterator[list[str]]:
+def _a_node_goes(
+    ray_cluster,
+    marker_dir: Path,
+    marker: str,
+    graceful: bool = False,
+    before: Callable[[str], bool] | None = None,
+) -> Iterator[list[str]]:
     """Adds two slot nodes; a background thread removes the one a worker names.
 
     A worker writes its node id to ``marker_dir / marker``; the thread then calls
@@ -183,12 +207,20 @@ def test_lost_node_restarts_on_the_rest_and_ends_exactly(reference, ray_cluster,
     with _a_node_goes(ray_cluster, marker_dir, "node_to_remove") as removed:
         result = PSTrainer(
             faults.resumable_loop,
-            train_loop_config={"steps": STEPS, "every": EVERY, "marker_dir": str(marker_dir),
-                               "lose_node_rank": 1, "lose_node_step": 12},
+            train_loop_config={
+                "steps": STEPS,
+                "every": EVERY,
+                "marker_dir": str(marker_dir),
+                "lose_node_rank": 1,
+                "lose_node_step": 12,
+            },
             ps_config=PSConfig(ps_timeout_s=20),
             scaling_config=SLOT_SCALING,
-            run_config=RunConfig(storage_path=str(tmp_path / "storage"), name="node_lost",
-                                 failure_config=FailureConfig(max_failures=1)),
+            run_config=RunConfig(
+                storage_path=str(tmp_path / "storage"),
+                name="node_lost",
+                failure_config=FailureConfig(max_failures=1),
+            ),
         ).fit()
     assert len(removed) == 1  # rank 1's node, one of the two fresh ones
     assert 0 < result.metrics["start"] <= 12
@@ -223,16 +255,27 @@ def test_preemption_checkpoints_the_shards_and_resumes_losing_at_most_one_step(
         _drain_for_preemption(node_id, deadline_s=60)
         return loops.wait_until((marker_dir / "preempt_checkpoint_1").exists, timeout_s=120)
 
-    with _a_node_goes(ray_cluster, marker_dir, "node_to_drain", graceful=True,
-                      before=drain_then_wait_for_the_checkpoint) as removed:
+    with _a_node_goes(
+        ray_cluster,
+        marker_dir,
+        "node_to_drain",
+        graceful=True,
+        before=drain_then_wait_for_the_checkpoint,
+    ) as removed:
         result = PSTrainer(
             faults.resumable_loop,
-            train_loop_config={"steps": STEPS, "every": 10, "marker_dir": str(marker_dir),
-                               "preemption": True, "preempt_step": 3},
+            train_loop_config={
+                "steps": STEPS,
+                "every": 10,
+                "marker_dir": str(marker_dir),
+                "preemption": True,
+                "preempt_step": 3,
+            },
             ps_config=PSConfig(mode="async", ps_timeout_s=20),
             scaling_config=SLOT_SCALING,
             run_config=RunConfig(
-                storage_path=str(tmp_path / "storage"), name="preempt",
+                storage_path=str(tmp_path / "storage"),
+                name="preempt",
                 # Removing a node of a local Cluster is a SIGTERM to its raylet, which
                 # Ray reports as an expected termination, not as a preemption; so the
                 # restart is charged to max_failures here (on a cloud, a drained
@@ -257,8 +300,9 @@ def test_preemption_checkpoints_the_shards_and_resumes_losing_at_most_one_step(
 
 
 def test_async_restart_seeds_the_servers_from_the_checkpoint(tmp_path):
-    result = _fit(tmp_path, "async_worker_dies", retries=1, fail_rank=1, fail_step=12,
-                  ps={"mode": "async"})
+    result = _fit(
+        tmp_path, "async_worker_dies", retries=1, fail_rank=1, fail_step=12, ps={"mode": "async"}
+    )
     m = result.metrics
     assert m["step"] == STEPS and m["start"] > 0
     # Rank 1 (which did not seed them) read the restarted shards: exactly the checkpoint.
@@ -278,8 +322,13 @@ def test_nan_gradient_raises_by_default_naming_the_step(tmp_path):
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_nan_gradient_skipped_when_asked(tmp_path, mode):
-    result = _fit(tmp_path, f"nan_skip_{mode}", nan_rank=0, nan_step=3,
-                  ps={"mode": mode, "nan_policy": "skip"})
+    result = _fit(
+        tmp_path,
+        f"nan_skip_{mode}",
+        nan_rank=0,
+        nan_step=3,
+        ps={"mode": mode, "nan_policy": "skip"},
+    )
     assert result.metrics["skipped"] == 1
     state = faults.load(result)
     assert all(torch.isfinite(v).all() for v in state["model"].values())

@@ -32,8 +32,9 @@ def _fit(storage, name, loop, config, scaling, **ps):
 
 
 def test_sync_ps_on_gpus_equals_ddp(gpu_scaling, storage):
-    ddp = _fit(storage, "gpu_ddp", loops.equivalence_loop, {"steps": 20}, gpu_scaling,
-               strategy="ddp")
+    ddp = _fit(
+        storage, "gpu_ddp", loops.equivalence_loop, {"steps": 20}, gpu_scaling, strategy="ddp"
+    )
     ps = _fit(storage, "gpu_ps", loops.equivalence_loop, {"steps": 20}, gpu_scaling)
     a, b = loops.load_state(ddp), loops.load_state(ps)
     assert max((a[k].double().cpu() - b[k].double().cpu()).abs().max().item() for k in a) <= 1e-5
@@ -41,6 +42,12 @@ def test_sync_ps_on_gpus_equals_ddp(gpu_scaling, storage):
 
 @pytest.mark.parametrize("ps", [{"mode": "async"}, {"mode": "sync", "compression": "bf16"}])
 def test_other_modes_train_on_gpus(gpu_scaling, storage, ps):
-    result = _fit(storage, f"gpu_{ps['mode']}", digits.digits_loop,
-                  {"epochs": 3, "lr": 0.05, "optimizer": "sgd"}, gpu_scaling, **ps)
+    result = _fit(
+        storage,
+        f"gpu_{ps['mode']}",
+        digits.digits_loop,
+        {"epochs": 3, "lr": 0.05, "optimizer": "sgd"},
+        gpu_scaling,
+        **ps,
+    )
     assert result.metrics["accuracy"] > 0.9

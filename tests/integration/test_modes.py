@@ -4,7 +4,6 @@ checkpoints holding the servers' parameters, unchanged optimizer loops."""
 import json
 
 import pytest
-import torch
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 
 from ray_ps_plugin import PSTrainer

@@ -167,8 +167,10 @@ def test_one_percent_loss_on_a_link_and_sync_still_ends_with_ddps_parameters(
     assert run["dropped"] > 0  # the loss was real: TCP retransmitted what the rule dropped
     assert run["metrics"]["start"] == 0 and run["metrics"]["steps_run"] == STEPS
     assert _max_diff(run["params"], reference["params"]) <= 1e-5
-    print(f"1% loss: {run['dropped']} packets dropped; run took {run['wall_s']:.1f} s; "
-          f"max diff to DDP {_max_diff(run['params'], reference['params']):.2e}")
+    print(
+        f"1% loss: {run['dropped']} packets dropped; run took {run['wall_s']:.1f} s; "
+        f"max diff to DDP {_max_diff(run['params'], reference['params']):.2e}"
+    )
 
 
 def test_workers_and_shards_sit_on_both_nodes(lossy_run: dict[str, Any]) -> None:
@@ -194,8 +196,16 @@ def test_link_down_longer_than_ps_timeout_recovers_through_restart_exactly(
         finally:
             bed.set_link(1, down=False)
 
-    run = _drive(bed, tmp_path, unplug, steps=STEPS, every=EVERY,
-                 link_fault_step=FAULT_STEP, retries=2, ps_timeout=PS_TIMEOUT_S)
+    run = _drive(
+        bed,
+        tmp_path,
+        unplug,
+        steps=STEPS,
+        every=EVERY,
+        link_fault_step=FAULT_STEP,
+        retries=2,
+        ps_timeout=PS_TIMEOUT_S,
+    )
     assert run["ok"], run.get("error")
     m = run["metrics"]
     # Resumed from a checkpoint at or before the fault; no step half-applied.
@@ -223,8 +233,16 @@ def test_link_down_without_retries_fails_with_ps_timeout_in_bounded_time(
         finally:
             bed.set_link(1, down=False)
 
-    run = _drive(bed, tmp_path, unplug, steps=STEPS, every=EVERY,
-                 link_fault_step=FAULT_STEP, retries=0, ps_timeout=PS_TIMEOUT_S)
+    run = _drive(
+        bed,
+        tmp_path,
+        unplug,
+        steps=STEPS,
+        every=EVERY,
+        link_fault_step=FAULT_STEP,
+        retries=0,
+        ps_timeout=PS_TIMEOUT_S,
+    )
     assert not run["ok"]
     assert run["worker_errors"], run["error"]
     for name, message in run["worker_errors"]:

@@ -40,9 +40,7 @@ def runs(ray_cluster, tmp_path_factory, equivalence_ddp):
     return {
         "stock": _fit(TorchTrainer, storage, "stock"),
         "ddp": equivalence_ddp,
-        "ps": _fit(
-            PSTrainer, storage, "ps", ps_config=PSConfig(strategy="ps", chunk_bytes=4096)
-        ),
+        "ps": _fit(PSTrainer, storage, "ps", ps_config=PSConfig(strategy="ps", chunk_bytes=4096)),
         "ps_torch_config": _fit(
             TorchTrainer, storage, "ps_tc", torch_config=PSConfig(strategy="ps", num_servers=3)
         ),
@@ -122,8 +120,13 @@ def test_a_stalled_worker_fails_in_bounded_time_naming_shard_and_step(storage):
 
 def test_failure_in_on_start_leaks_no_actor_or_placement_group(storage):
     with pytest.raises(TrainingFailedError, match="injected on_start failure"):
-        _fit(PSTrainer, storage, "onstart", loop=loops.failing_loop,
-             ps_config=loops.FailingStartConfig())
+        _fit(
+            PSTrainer,
+            storage,
+            "onstart",
+            loop=loops.failing_loop,
+            ps_config=loops.FailingStartConfig(),
+        )
     assert loops.wait_until(lambda: loops.live_shards() == 0)
     assert loops.wait_until(lambda: loops.live_placement_groups() == 0)
     assert loops.wait_until(lambda: ray.available_resources().get("CPU") == 4.0)

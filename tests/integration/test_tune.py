@@ -44,7 +44,9 @@ def sweep(ray_cluster, tmp_path_factory):
         storage,
         "sweep",
         {
-            "ps_config": tune.grid_search([{"strategy": "ps", "mode": "sync"}, {"strategy": "ddp"}]),
+            "ps_config": tune.grid_search(
+                [{"strategy": "ps", "mode": "sync"}, {"strategy": "ddp"}]
+            ),
             "lr": tune.grid_search([0.05, 0.1]),
             "iterations": 3,
             "expect_live_shards": 4,

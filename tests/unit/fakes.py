@@ -2,7 +2,8 @@
 
 import asyncio
 import threading
-from concurrent.futures import Future, TimeoutError as FutureTimeout
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import numpy as np
 import torch
@@ -74,7 +75,9 @@ class FakeTransport:
         return _copy(result)
 
     def call(self, shard, method, *args):
-        self.calls.append((method, shard, *[a.size if isinstance(a, np.ndarray) else a for a in args]))
+        self.calls.append(
+            (method, shard, *[a.size if isinstance(a, np.ndarray) else a for a in args])
+        )
         coro = getattr(self.servers[shard], method)(*[_copy(a) for a in args])
         return self.loop.run(self._gated(coro))
 
@@ -113,8 +116,16 @@ class FakeBucket:
 class Settings:
     """A stand-in for PSConfig (the RunSettings protocol)."""
 
-    def __init__(self, mode="sync", staleness=0, chunk_bytes=1 << 24, ps_timeout_s=5.0,
-                 nan_policy="raise", compression=None, shared_memory=True):
+    def __init__(
+        self,
+        mode="sync",
+        staleness=0,
+        chunk_bytes=1 << 24,
+        ps_timeout_s=5.0,
+        nan_policy="raise",
+        compression=None,
+        shared_memory=True,
+    ):
         self.mode, self.staleness, self.chunk_bytes = mode, staleness, chunk_bytes
         self.ps_timeout_s, self.nan_policy = ps_timeout_s, nan_policy
         self.compression, self.shared_memory = compression, shared_memory

@@ -9,7 +9,6 @@ import torch
 from ray_ps_plugin._errors import PSError, PSTimeoutError
 from ray_ps_plugin._sync.client import SumClient
 from ray_ps_plugin._sync.shard import SumShard
-
 from tests.unit.fakes import FakeBucket, FakeTransport, LoopThread, Settings, setup_for
 
 
@@ -28,8 +27,15 @@ def _module(numel):
 
 
 def _clients(
-    loop, world_size, num_servers, total_bytes, chunk_bytes, timeout_s=5.0,
-    local=lambda r, s: False, compression=None, transport_cls=FakeTransport,
+    loop,
+    world_size,
+    num_servers,
+    total_bytes,
+    chunk_bytes,
+    timeout_s=5.0,
+    local=lambda r, s: False,
+    compression=None,
+    transport_cls=FakeTransport,
 ):
     """Clients of fake shards; ``local(rank, shard)`` says which pairs share memory."""
     servers = [SumShard(i, world_size, timeout_s, compression) for i in range(num_servers)]
@@ -38,7 +44,11 @@ def _clients(
     clients = [
         SumClient.build(
             setup_for(
-                _module(total_bytes // 4), r, world_size, num_servers, settings,
+                _module(total_bytes // 4),
+                r,
+                world_size,
+                num_servers,
+                settings,
                 local=[s for s in range(num_servers) if local(r, s)],
             ),
             transport,
@@ -65,7 +75,10 @@ def test_buckets_come_back_as_the_mean_over_workers(loop, local):
         loop, world, num_servers=2, total_bytes=total, chunk_bytes=2048, local=local
     )
     grads = {
-        r: [torch.randn(n, generator=torch.Generator().manual_seed(r * 10 + i)) for i, n in enumerate(numels)]
+        r: [
+            torch.randn(n, generator=torch.Generator().manual_seed(r * 10 + i))
+            for i, n in enumerate(numels)
+        ]
         for r in range(world)
     }
     results: dict[int, list[torch.Tensor]] = {}
@@ -90,9 +103,80 @@ def test_buckets_come_back_as_the_mean_over_workers(loop, local):
     assert abs(stats.bytes_pushed_per_shard[0] - stats.bytes_pushed_per_shard[1]) <= 2048
     # Every chunk within chunk_bytes: (key, numel, owner) of each chunk of a local
     # push, the chunk's element count for a push_pull (its array's size).
-    sizes = [n for c in transport.pushes() for n in
-             ([numel for _, numel, _ in c[-1]] if c[0] == "push_local" else [c[-2]])]
+    sizes = [
+        n
+        for c in transport.pushes()
+        for n in ([numel for _, numel, _ in c[-1]] if c[0] == "push_local" else [c[-2]])
+    ]
     assert sizes and all(n * 4 <= 2048 for n in sizes)
+    for c in clients:
+        c.close()
+
+
+@pytest.mark.parametrize("compression", [None, "bf16"])
+@pytest.mark.parametrize(
+    "local",
+    [
+        pytest.param(lambda r, s: False, id="object-store"),
+        pytest.param(lambda r, s: True, id="shared-memory"),
+        pytest.param(lambda r, s: r == s, id="mixed"),
+    ],
+)
+def test_bf16_and_fp32_buckets_of_one_model_come_back_as_their_mean(loop, local, compression):
+    """DDP buckets parameters by dtype: a bf16 bucket and a fp32 bucket of one model
+    share the gradient stream (bf16 trunk, fp32 head). The bf16 mean is the fp32 mean
+    rounded once to bf16, on every path."""
+    world, shards = 2, 2
+    m = torch.nn.Module()
+    m.trunk = torch.nn.Parameter(torch.zeros(1500, dtype=torch.bfloat16))
+    m.head = torch.nn.Parameter(torch.zeros(700))
+    settings = Settings(chunk_bytes=1024, ps_timeout_s=5.0, compression=compression)
+    servers = [SumShard(i, world, 5.0, compression) for i in range(shards)]
+    transport = FakeTransport(loop, servers)
+    clients = [
+        SumClient.build(
+            setup_for(
+                m, r, world, shards, settings, local=[s for s in range(shards) if local(r, s)]
+            ),
+            transport,
+        )
+        for r in range(world)
+    ]
+    grads = {
+        r: [
+            torch.randn(1500, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16),
+            torch.randn(700, generator=torch.Generator().manual_seed(10 + r)),
+        ]
+        for r in range(world)
+    }
+    results: dict[int, list[torch.Tensor]] = {}
+
+    def worker(rank):
+        bufs = [g.clone() for g in grads[rank]]
+        futs = [clients[rank].hook(None, FakeBucket(i, b)) for i, b in enumerate(bufs)]
+        results[rank] = [f.wait().clone() for f in futs]
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    bf16_mean = ((grads[0][0].float() / 2) + (grads[1][0].float() / 2)).to(torch.bfloat16)
+    fp32_mean = grads[0][1] / 2 + grads[1][1] / 2
+    for r in range(world):
+        assert results[r][0].dtype == torch.bfloat16
+        assert torch.equal(results[r][0], bf16_mean)
+        if compression is None:
+            torch.testing.assert_close(results[r][1], fp32_mean)
+        else:
+            torch.testing.assert_close(results[r][1], fp32_mean, rtol=1 / 64, atol=1e-2)
+        assert torch.equal(results[r][0], results[0][0]) and torch.equal(
+            results[r][1], results[0][1]
+        )
+    stats = clients[0].snapshot()
+    if local(0, 0) == local(0, 1):  # bf16 is 2 bytes on every path; fp32 shrinks on the wire
+        wide = 4 if compression is None or local(0, 0) else 2
+        assert stats.bytes_pushed == 1500 * 2 + 700 * wide
     for c in clients:
         c.close()
 
@@ -103,14 +187,19 @@ def test_a_bucket_reaches_each_shard_of_its_node_in_one_call(loop):
     names all of the bucket's chunks for that shard."""
     world, numels = 2, [3000, 500]
     clients, transport = _clients(
-        loop, world, num_servers=2, total_bytes=sum(numels) * 4, chunk_bytes=1024,
+        loop,
+        world,
+        num_servers=2,
+        total_bytes=sum(numels) * 4,
+        chunk_bytes=1024,
         local=lambda r, s: True,
     )
     grads = [[torch.full((n,), float(r + 1)) for n in numels] for r in range(world)]
 
     def worker(rank):
-        futs = [clients[rank].hook(None, FakeBucket(i, g.clone()))
-                for i, g in enumerate(grads[rank])]
+        futs = [
+            clients[rank].hook(None, FakeBucket(i, g.clone())) for i, g in enumerate(grads[rank])
+        ]
         return [f.wait() for f in futs]
 
     threads = [threading.Thread(target=worker, args=(r,)) for r in range(world)]
@@ -139,11 +228,19 @@ def test_shared_memory_sums_stay_right_while_workers_race_ahead(loop, compressio
     total = sum(numels) * 4
     # rank 0 shares memory with both shards, rank 1 with none or both
     clients, _ = _clients(
-        loop, world, num_servers=2, total_bytes=total, chunk_bytes=1024,
-        compression=compression, local=lambda r, s: not (r == 1 and remote_rank1),
+        loop,
+        world,
+        num_servers=2,
+        total_bytes=total,
+        chunk_bytes=1024,
+        compression=compression,
+        local=lambda r, s: not (r == 1 and remote_rank1),
     )
     gen = torch.Generator().manual_seed(0)
-    grads = [[[torch.randn(n, generator=gen) for n in numels] for _ in range(world)] for _ in range(steps)]
+    grads = [
+        [[torch.randn(n, generator=gen) for n in numels] for _ in range(world)]
+        for _ in range(steps)
+    ]
     results: dict[int, list[list[torch.Tensor]]] = {r: [] for r in range(world)}
 
     def worker(rank):
@@ -186,7 +283,10 @@ def test_a_silent_peer_fails_the_step_with_the_real_error_not_a_hang(loop):
     clients, _ = _clients(loop, 2, num_servers=2, total_bytes=80, chunk_bytes=1024, timeout_s=0.2)
     fut = clients[0].hook(None, FakeBucket(0, torch.ones(20)))
     fut.wait()
-    with pytest.raises(PSTimeoutError, match=r"step 1: server shard\(s\) \[0, 1\] did not answer within ps_timeout_s=0.2s"):
+    with pytest.raises(
+        PSTimeoutError,
+        match=r"step 1: server shard\(s\) \[0, 1\] did not answer within ps_timeout_s=0.2s",
+    ):
         clients[0].before_step()
     with pytest.raises(PSTimeoutError):  # and again: the run is broken
         clients[0].before_forward()
@@ -222,7 +322,9 @@ def test_a_stopped_shard_is_named_as_the_one_not_answering(loop):
     )
     transport.silent_shards = {1}
     clients[0].hook(None, FakeBucket(0, torch.ones(20))).wait()
-    with pytest.raises(PSTimeoutError, match=r"server shard\(s\) \[1\] did not answer.*stopped answering pings"):
+    with pytest.raises(
+        PSTimeoutError, match=r"server shard\(s\) \[1\] did not answer.*stopped answering pings"
+    ):
         clients[0].before_step()
     for c in clients:
         c.close()
@@ -264,11 +366,13 @@ def test_two_models_with_equal_shapes_never_mix_their_sums(loop):
     settings = Settings(chunk_bytes=1024)
     clients = {
         (r, m): SumClient.build(setup_for(_module(10), r, 2, 1, settings, model_id=m), transport)
-        for r in range(2) for m in range(2)
+        for r in range(2)
+        for m in range(2)
     }
     futs = {
         (r, m): clients[r, m].hook(None, FakeBucket(0, torch.full((10,), float(10 * m + r + 1))))
-        for r in range(2) for m in range(2)
+        for r in range(2)
+        for m in range(2)
     }
     for m in range(2):
         expected = torch.full((10,), (10 * m + 1 + 10 * m + 2) / 2)
@@ -292,7 +396,9 @@ def test_a_failing_metrics_export_neither_kills_the_thread_nor_the_step(loop):
     (c,), _ = _clients(loop, 1, 1, 40, 1024)
     c._metrics = Broken()
     for _ in range(2):  # the second bucket proves the thread survived the first export
-        torch.testing.assert_close(c.hook(None, FakeBucket(0, torch.ones(10))).wait(), torch.ones(10))
+        torch.testing.assert_close(
+            c.hook(None, FakeBucket(0, torch.ones(10))).wait(), torch.ones(10)
+        )
     c.raise_pending()  # nothing kept: a metrics failure is not a training failure
     c.close()
 

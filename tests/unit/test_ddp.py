@@ -41,9 +41,7 @@ def prepared(request, process_group, loop, monkeypatch):
     shard = SumShard(0, 1, 5.0) if mode == "sync" else ParamShard(0, 1, None, 5.0)
     transport = FakeTransport(loop, [shard])
     monkeypatch.setattr(_runtime, "_RUN", _runtime.RunInfo(settings, [object()], ["node"]))
-    monkeypatch.setattr(
-        _runtime, "client_setup", lambda m, info: setup_for(m, 0, 1, 1, settings)
-    )
+    monkeypatch.setattr(_runtime, "client_setup", lambda m, info: setup_for(m, 0, 1, 1, settings))
     monkeypatch.setattr(_ddp, "RayTransport", lambda servers, timeout_s: transport)
     torch.manual_seed(0)
     model = _ddp.PSDistributedDataParallel(torch.nn.Linear(4, 2))
@@ -110,9 +108,7 @@ def ps_run(request, process_group, loop, monkeypatch):
     shard = SumShard(0, 1, 5.0) if mode == "sync" else ParamShard(0, 1, None, 5.0)
     transport = FakeTransport(loop, [shard])
     monkeypatch.setattr(_runtime, "_RUN", _runtime.RunInfo(settings, [object()], ["node"]))
-    monkeypatch.setattr(
-        _runtime, "client_setup", lambda m, info: setup_for(m, 0, 1, 1, settings)
-    )
+    monkeypatch.setattr(_runtime, "client_setup", lambda m, info: setup_for(m, 0, 1, 1, settings))
     monkeypatch.setattr(_ddp, "RayTransport", lambda servers, timeout_s: transport)
     yield mode, transport
     _runtime.close_clients()
@@ -187,7 +183,7 @@ def test_a_framework_comm_hook_is_refused_naming_the_fix(ps_run):
 
 def test_a_closure_step_runs_before_step_after_backward(ps_run, monkeypatch):
     """Lightning calls optimizer.step(closure): forward and backward run inside step."""
-    mode, transport = ps_run
+    _mode, _transport = ps_run
     with _ddp.ps_ddp_constructors():
         model = DDP(torch.nn.Linear(4, 2))
     client = model._ps_client

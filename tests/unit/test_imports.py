@@ -10,8 +10,9 @@ import ray_ps_plugin
 
 def _loaded_after(statement: str) -> set[str]:
     code = f"import sys; {statement}; print(' '.join(sys.modules))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
     return set(out.stdout.split())
 
 
@@ -35,4 +36,4 @@ def test_every_public_name_resolves(name):
 
 def test_an_unknown_name_is_an_attribute_error():
     with pytest.raises(AttributeError, match="no attribute 'PSTrainr'"):
-        ray_ps_plugin.PSTrainr  # noqa: B018
+        ray_ps_plugin.PSTrainr

@@ -1,5 +1,6 @@
 """StreamLayout: chunks cover every bucket exactly and balance the shards."""
 
+import itertools
 import random
 
 import pytest
@@ -12,7 +13,7 @@ def _cut_stream(layout: StreamLayout, bucket_numels: list[int], itemsize: int):
     for numel in bucket_numels:
         cut = layout.cut(offset, numel, itemsize)
         assert cut[0].start == 0 and cut[-1].stop == numel
-        assert all(a.stop == b.start for a, b in zip(cut, cut[1:])), "gaps or overlaps"
+        assert all(a.stop == b.start for a, b in itertools.pairwise(cut)), "gaps or overlaps"
         pieces += [(p, offset) for p in cut]
         offset += numel * itemsize
     return pieces

@@ -5,9 +5,9 @@ import logging
 import pytest
 import torch
 
+from ray_ps_plugin._ddp import check_supported
 from ray_ps_plugin._errors import PSError
 from ray_ps_plugin._nonfinite import NonFiniteGuard
-from ray_ps_plugin._ddp import check_supported
 
 
 def _model_with_grads(bad: bool):
@@ -85,12 +85,14 @@ def test_sparse_gradient_layers_are_refused_with_the_fix():
     check_supported(torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 2)))
 
 
-def test_bfloat16_parameters_are_refused_with_the_fix():
+def test_bfloat16_parameters_pass_except_with_fp16_compression():
     model = torch.nn.Sequential(torch.nn.Linear(4, 2)).to(torch.bfloat16)
-    with pytest.raises(TypeError, match=r"\['0.weight', '0.bias'\] are bfloat16.*float32"):
-        check_supported(model)
-    model[0].requires_grad_(False)  # frozen bf16 layers are not synchronised: fine
     check_supported(model)
+    check_supported(model, "bf16")
+    with pytest.raises(ValueError, match=r"\['0.weight', '0.bias'\] are bfloat16.*'bf16'"):
+        check_supported(model, "fp16")
+    model[0].requires_grad_(False)  # frozen bf16 layers are not synchronised: fine
+    check_supported(model, "fp16")
 
 
 def test_all_finite_sees_nan_and_inf_in_tensors_and_arrays():

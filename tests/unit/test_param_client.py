@@ -8,8 +8,8 @@ import torch
 
 from ray_ps_plugin._errors import PSError, PSTimeoutError
 from ray_ps_plugin._param.client import ParamClient
-from ray_ps_plugin._param.layout import pieces as _pieces, split_bounds
-
+from ray_ps_plugin._param.layout import pieces as _pieces
+from ray_ps_plugin._param.layout import split_bounds
 from tests.unit.fakes import FakeTransport, LoggedParamShard, LoopThread, Settings, setup_for
 
 
@@ -23,9 +23,17 @@ def loop():
 def _models(world, seed=0):
     torch.manual_seed(seed)
     template = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
-    models = [torch.nn.Sequential(*[type(m)(*()) if isinstance(m, torch.nn.ReLU) else
-                                   torch.nn.Linear(m.in_features, m.out_features) for m in template])
-              for _ in range(world)]
+    models = [
+        torch.nn.Sequential(
+            *[
+                type(m)(*())
+                if isinstance(m, torch.nn.ReLU)
+                else torch.nn.Linear(m.in_features, m.out_features)
+                for m in template
+            ]
+        )
+        for _ in range(world)
+    ]
     for m in models:  # identical start, as after DDP's broadcast
         m.load_state_dict(template.state_dict())
     return models
@@ -214,6 +222,48 @@ def test_constant_gradients_land_exactly_n_times_w_deltas(loop, shared):
         torch.testing.assert_close(_flat(m), start - steps * lr, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["object-store", "shared-memory"])
+def test_bf16_models_train_on_fp32_masters_and_stay_bf16(loop, shared):
+    """bf16 weights in async: every worker ends with the shards' fp32 masters rounded
+    to bf16, and the masters moved by N * W * (lr / W) within bf16's rounding of
+    each worker's step."""
+    world, steps, lr = 2, 12, 0.125
+    models = [m.to(torch.bfloat16) for m in _models(world)]
+    servers, _, models, clients = _setup(
+        loop, world, shards=2, staleness=None, shared=shared, models=models
+    )
+    start = _flat(models[0]).float().clone()
+    opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in models]
+
+    def run(rank):
+        model, client, opt = models[rank], clients[rank], opts[rank]
+        for _ in range(steps):
+            client.before_forward()
+            loss = sum(p.float().sum() for p in model.parameters())  # gradient 1
+            opt.zero_grad()
+            loss.backward()
+            client.before_step()
+            opt.step()
+            client.after_step()
+        client.flush()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for c in clients:
+        c.sync()
+    masters = torch.cat([s._models[0].params for s in servers])
+    assert masters.dtype == torch.float32
+    for m in models:
+        assert all(p.dtype == torch.bfloat16 for p in m.parameters())
+        assert torch.equal(_flat(m), masters.to(torch.bfloat16))
+    # Each bf16 step p - lr is rounded to bf16 on the worker (as under DDP): at most
+    # half a bf16 ulp (|p| <= 3 here: 2**-7) per step.
+    torch.testing.assert_close(masters, start - steps * lr, atol=steps * 2**-7, rtol=0)
+
+
 def test_ssp_waits_for_the_slowest_and_records_no_gap_beyond_the_bound(loop):
     servers, _, models, clients = _setup(loop, 2, shards=1, staleness=1)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
@@ -283,8 +333,10 @@ def test_mixed_dtypes_are_refused_with_the_fix(loop):
     model = torch.nn.Module()
     model.a = torch.nn.Parameter(torch.zeros(2))
     model.b = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
-    with pytest.raises(TypeError, match="single floating dtype.*model.float"):
-        ParamClient.build(setup_for(model, 0, 1, 1, Settings(mode="async")), FakeTransport(loop, []))
+    with pytest.raises(TypeError, match=r"single floating dtype.*model\.float"):
+        ParamClient.build(
+            setup_for(model, 0, 1, 1, Settings(mode="async")), FakeTransport(loop, [])
+        )
 
 
 def test_forward_without_optimizer_step_warns_at_finish(loop, caplog):
@@ -309,7 +361,9 @@ def test_pieces_cut_parameters_at_shard_bounds():
 def test_gpu_staging_offsets_count_empty_parameters(loop):
     # An empty parameter has no piece; the offsets must still line up with the list.
     model = torch.nn.ParameterList([torch.zeros(3), torch.zeros(0), torch.zeros(2)])
-    client = ParamClient.build(setup_for(model, 0, 1, 1, Settings(mode="async")), FakeTransport(loop, []))
+    client = ParamClient.build(
+        setup_for(model, 0, 1, 1, Settings(mode="async")), FakeTransport(loop, [])
+    )
     assert client._offsets[:3] == [0, 3, 3]
 
 
@@ -317,7 +371,7 @@ def test_load_state_dict_after_prepare_reaches_the_shards(loop):
     """The usual DDP resume (load after prepare_model, on every worker) must not be
     overwritten by the shards' older parameters at the next install."""
     _, _, models, clients = _setup(loop, 2, shards=2, staleness=None)
-    for m, c in zip(models, clients):
+    for c in clients:
         c.bind(None)  # registers the state-dict hooks (seeding is done by _setup)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
     x, y = torch.randn(4, 5), torch.randn(4, 3)

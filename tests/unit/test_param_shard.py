@@ -7,8 +7,8 @@ import pytest
 
 from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
 from ray_ps_plugin._param.shard import ParamShard
-from tests.unit.fakes import LoggedParamShard
 from ray_ps_plugin._shm import Segment
+from tests.unit.fakes import LoggedParamShard
 
 
 def _run(coro):
@@ -54,7 +54,9 @@ def test_a_missing_update_is_an_error_not_a_silent_gap():
         await s.push_pull(0, 0, 1, _arr(1))
         await s.push_pull(0, 0, 3, _arr(1))
 
-    with pytest.raises(ShardProtocolError, match=r"shard 3: model 0: rank 0 .* clock 3 .* 2\.\.2 are missing"):
+    with pytest.raises(
+        ShardProtocolError, match=r"shard 3: model 0: rank 0 .* clock 3 .* 2\.\.2 are missing"
+    ):
         _run(main())
 
 
@@ -117,7 +119,10 @@ def test_ssp_timeout_names_the_slow_worker_and_its_clock():
         await s.init(0, _arr(0))
         await asyncio.gather(s.push_pull(0, 2, 1, _arr(1)), s.push_pull(0, 0, 1, _arr(1)))
 
-    with pytest.raises(ShardTimeoutError, match=r"shard 1: model 0: rank \d at clock 1 .* workers \[1\] \(clocks \{1: 0\}\)"):
+    with pytest.raises(
+        ShardTimeoutError,
+        match=r"shard 1: model 0: rank \d at clock 1 .* workers \[1\] \(clocks \{1: 0\}\)",
+    ):
         _run(main())
 
 
@@ -193,9 +198,7 @@ def test_models_have_their_own_parameters_and_clocks():
     np.testing.assert_array_equal(b.params, _arr(7, 7))
 
 
-@pytest.mark.parametrize(
-    ("model", "rank"), [(0, -1), (0, 2), (-1, 0), (0, True), (0, "0")]
-)
+@pytest.mark.parametrize(("model", "rank"), [(0, -1), (0, 2), (-1, 0), (0, True), (0, "0")])
 def test_ranks_and_models_from_callers_are_validated(model, rank):
     async def main():
         s = ParamShard(0, num_workers=2, staleness=None, timeout_s=5)
@@ -208,6 +211,7 @@ def test_ranks_and_models_from_callers_are_validated(model, rank):
 
 def test_fp16_models_keep_fp32_master_parameters():
     """A step smaller than fp16's resolution at 1.0 still adds up on the shard."""
+
     async def main():
         s = ParamShard(0, num_workers=1, staleness=None, timeout_s=5)
         await s.init(0, np.ones(2, np.float16))
@@ -219,6 +223,35 @@ def test_fp16_models_keep_fp32_master_parameters():
     assert reply.params.dtype == np.float16
     # 8 x 1e-4 on fp32 masters = 1.0008 -> fp16 1.0010 (fp16 steps would stay at 1.0)
     assert reply.params[0] > 1.0
+
+
+def test_bfloat16_models_keep_fp32_masters_on_the_wire_and_in_shared_memory():
+    """bf16 travels as int16 patterns both ways; steps below bf16's resolution at 1.0
+    (1/128) still add up on the fp32 master; shared memory holds bf16 patterns."""
+    import torch
+
+    from ray_ps_plugin._codec import as_torch, to_numpy
+
+    def bf16(*values):
+        return to_numpy(torch.tensor(values, dtype=torch.bfloat16))
+
+    async def main():
+        s = ParamShard(0, num_workers=2, staleness=None, timeout_s=5)
+        await s.init(0, bf16(1.0, 1.0))
+        inputs = Segment.create(4)
+        outs = [Segment.open(h) for h in s.attach(0, 1, inputs.handle, 0, 4)]
+        for clock in range(1, 9):
+            reply = await s.push_pull(0, 0, clock, bf16(2e-3, 0.0))
+            as_torch(inputs.view(0, np.int16, 2)).copy_(torch.tensor([0.0, 2e-3]))
+            await s.push_local(0, 1, clock, slot=clock % 2)
+        return reply, as_torch(outs[0].view(0, np.int16, 2)).clone()
+
+    reply, shared = _run(main())
+    assert reply.params.dtype == np.int16 and reply.params.nbytes == 4
+    got = as_torch(reply.params).float()
+    # 8 x 2e-3 / 2 on fp32 masters = 1.008 -> bf16 1.0078 (bf16 steps would stay at 1.0)
+    assert got.tolist() == [1.0078125] * 2  # 1.008 and 1.007 (rank 1 has pushed 7 so far)
+    assert shared.dtype == torch.bfloat16 and shared.float().tolist() == [1.0078125] * 2
 
 
 def test_a_reseed_replaces_parameters_once_per_generation():
@@ -236,3 +269,16 @@ def test_a_reseed_replaces_parameters_once_per_generation():
     blocked, reply = _run(main())
     assert blocked
     np.testing.assert_array_equal(reply.params, _arr(3, 3))
+
+
+def test_a_reseed_of_another_models_slice_is_refused():
+    async def main():
+        s = ParamShard(0, num_workers=1, staleness=None, timeout_s=5)
+        await s.init(0, _arr(0, 0))
+        with pytest.raises(ShardProtocolError, match=r"float32\[3\] for a slice of float32\[2\]"):
+            await s.reseed(0, 1, _arr(1, 2, 3))
+        with pytest.raises(ShardProtocolError, match=r"float64\[2\]"):
+            await s.reseed(0, 1, np.zeros(2))
+        return await s.pull(0, 0, 0)
+
+    np.testing.assert_array_equal(_run(main()).params, _arr(0, 0))

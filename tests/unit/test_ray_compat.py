@@ -40,6 +40,7 @@ def test_worker_group_exposes_nodes_bundles_and_placement_group():
     }
     assert "node_id" in {f.name for f in dataclasses.fields(ActorMetadata)}
     assert callable(WorkerGroup.get_workers) and callable(WorkerGroup.get_worker_group_state)
+    assert callable(WorkerGroup.has_started)
     assert "placement_group_handle" in {f.name for f in dataclasses.fields(WorkerGroupState)}
 
 
@@ -55,11 +56,37 @@ def test_places_and_placement_group_read_a_worker_group():
         def get_workers(self):
             return [_Worker()]
 
+        def has_started(self):
+            return False
+
         def get_worker_group_state(self):
             raise ValueError("not started")
 
     assert _ray_compat.worker_places(_Group()) == [_ray_compat.WorkerPlace("node-a", 3)]
     assert _ray_compat.worker_placement_group(_Group()) is None
+
+
+def test_tune_context_exposes_the_experiment_storage():
+    import inspect
+
+    import ray.tune
+    from ray.train._internal.storage import StorageContext
+
+    assert callable(ray.tune.TuneContext.get_storage)
+    assert isinstance(inspect.getattr_static(StorageContext, "experiment_fs_path"), property)
+    assert "storage_filesystem" in inspect.signature(StorageContext.__init__).parameters
+
+    class _Storage:
+        experiment_fs_path, storage_filesystem = "/sweeps/exp", "fs"
+
+    class _Ctx:
+        def get_storage(self):
+            return _Storage()
+
+    assert _ray_compat.trial_storage(_Ctx()) == {
+        "storage_path": "/sweeps/exp",
+        "storage_filesystem": "fs",
+    }
 
 
 def test_actor_table_is_available():

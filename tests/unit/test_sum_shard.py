@@ -17,7 +17,9 @@ def test_every_worker_gets_the_sum_of_all_pushes():
     async def main():
         s = SumShard(shard_index=0, num_workers=3, timeout_s=5)
         chunks = [np.full(4, r + 1.0, dtype=np.float32) for r in range(3)]
-        outs = await asyncio.gather(*(s.push_pull(0, 1, 0, r, chunks[r], "float32") for r in range(3)))
+        outs = await asyncio.gather(
+            *(s.push_pull(0, 1, 0, r, chunks[r], "float32") for r in range(3))
+        )
         return [o.copy() for o in outs], s.stats()
 
     outs, stats = _run(main())
@@ -58,7 +60,9 @@ def test_steps_reuse_buffers_and_keep_results_apart():
         results = []
         for step in range(1, 5):
             a = np.full(2, float(step), dtype=np.float32)
-            outs = await asyncio.gather(s.push_pull(0, step, 0, 0, a, "float32"), s.push_pull(0, step, 0, 1, a, "float32"))
+            outs = await asyncio.gather(
+                s.push_pull(0, step, 0, 0, a, "float32"), s.push_pull(0, step, 0, 1, a, "float32")
+            )
             results.append(outs[0].copy())
         return results
 
@@ -110,7 +114,9 @@ def test_compressed_pushes_sum_in_the_models_dtype(dtype):
         inputs = Segment.create(4 * itemsize)
         outs = [Segment.open(h) for h in s.attach(0, 0, inputs.handle, 0, 4 * itemsize)]
         inputs.view(0, dtype, 4)[:] = 1.5
-        wire = Codec("bf16").encode(__import__("torch").full((4,), 2.5, dtype=getattr(__import__("torch"), dtype)))
+        wire = Codec("bf16").encode(
+            __import__("torch").full((4,), 2.5, dtype=getattr(__import__("torch"), dtype))
+        )
         local = asyncio.ensure_future(s.push_local(0, 1, 0, dtype, [(0, 4, None)]))
         remote = await s.push_pull(0, 1, 0, 1, wire, dtype)
         await local
@@ -119,6 +125,68 @@ def test_compressed_pushes_sum_in_the_models_dtype(dtype):
     shared, wired = _run(main())
     np.testing.assert_array_equal(shared, np.full(4, 4.0, dtype))
     np.testing.assert_array_equal(wired, np.full(4, 4.0, np.float32))
+
+
+@pytest.mark.parametrize("compression", [None, "bf16"])
+def test_a_bfloat16_model_sums_in_fp32_and_answers_bfloat16_on_both_paths(compression):
+    """A bf16 chunk: one worker through shared memory, one on the wire; both read the
+    same bf16 sum, rounded once from an fp32 sum (a bf16 sum would lose the 1/256)."""
+    import torch
+
+    from ray_ps_plugin._codec import Codec, as_torch, to_numpy
+    from ray_ps_plugin._shm import Segment
+
+    n = 6
+    a = torch.tensor([1.0, 2.0, -3.0, 256.0, 1e-3, 1e38]).to(torch.bfloat16)
+    b = torch.tensor([1.0, 0.5, 3.0, 1.0, 1e-3, 1e38]).to(torch.bfloat16)
+    expect = (a.float() + b.float()).to(torch.bfloat16)  # 256 + 1 rounds to 256
+
+    async def main():
+        s = SumShard(0, num_workers=2, timeout_s=5, compression=compression)
+        inputs = Segment.create(2 * n)
+        outs = [Segment.open(h) for h in s.attach(0, 0, inputs.handle, 0, 2 * n)]
+        results = []
+        for step in (1, 2):
+            as_torch(inputs.view(0, np.int16, n)).copy_(a * step)
+            wire = Codec(compression).encode(b * step)
+            local = asyncio.ensure_future(s.push_local(0, step, 0, "bfloat16", [(0, n, None)]))
+            remote = await s.push_pull(0, step, 0, 1, wire, "bfloat16")
+            assert await local is None
+            shared = outs[step % 2].view(0, np.int16, n).copy()
+            results.append((shared, np.asarray(remote).copy()))
+        return results, s.stats()
+
+    results, stats = _run(main())
+    for step, (shared, remote) in zip((1, 2), results):
+        want = to_numpy((a.float() * step + b.float() * step).to(torch.bfloat16))
+        assert remote.dtype == np.int16
+        np.testing.assert_array_equal(shared, want)
+        np.testing.assert_array_equal(remote, want)
+    np.testing.assert_array_equal(results[0][0], to_numpy(expect))
+    assert stats["bytes_in"] == 4 * 2 * n  # 16-bit in both directions
+
+
+def test_a_bfloat16_chunk_begun_before_a_worker_attached_is_answered_in_its_segment():
+    import torch
+
+    from ray_ps_plugin._codec import as_torch, to_numpy
+    from ray_ps_plugin._shm import Segment
+
+    async def main():
+        s = SumShard(0, num_workers=2, timeout_s=5)
+        first = asyncio.ensure_future(
+            s.push_pull(0, 1, 0, 1, to_numpy(torch.ones(4, dtype=torch.bfloat16)), "bfloat16")
+        )
+        await asyncio.sleep(0)
+        inputs = Segment.create(8)
+        outs = [Segment.open(h) for h in s.attach(0, 0, inputs.handle, 0, 8)]
+        as_torch(inputs.view(0, np.int16, 4)).fill_(2.0)
+        await s.push_local(0, 1, 0, "bfloat16", [(0, 4, None)])
+        return as_torch(outs[1].view(0, np.int16, 4)).float().tolist(), (await first).copy()
+
+    shared, remote = _run(main())
+    assert shared == [3.0] * 4
+    np.testing.assert_array_equal(remote, to_numpy(torch.full((4,), 3.0, dtype=torch.bfloat16)))
 
 
 def test_bad_dtype_and_rank_are_refused():
