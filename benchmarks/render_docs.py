@@ -400,53 +400,6 @@ def _vs_ddp(file: str, variant: str, params: float, workers: int) -> float:
     return _point(file, variant, params / 1e6, workers)["step_ms"] / ddp
 
 
-def cost_table() -> str:
-    """The sweep before shared memory: compute, DDP, PS-sync, PS-async."""
-    f = "cost_curves"
-    rows = []
-    for params, workers in _grid(f):
-        m = params / 1e6
-        compute = _point(f, "compute", m, workers)
-        if workers == 1:
-            rows.append(
-                [
-                    f"{m:.1f}",
-                    "1",
-                    _ms(compute),
-                    "= compute",
-                    "= compute",
-                    "= compute",
-                    "0",
-                    f"{compute['peak_rss_mb']:.0f}",
-                ]
-            )
-            continue
-        ddp, sync, asy = (_point(f, v, m, workers) for v in ("ddp", "ps_sync", "ps_async"))
-        rows.append(
-            [
-                f"{m:.1f}",
-                str(workers),
-                _ms(compute),
-                _ms(ddp),
-                f"{_ms(sync)} ({_x(_vs_ddp(f, 'ps_sync', params, workers), 1)})",
-                f"{_ms(asy)} ({_x(_vs_ddp(f, 'ps_async', params, workers), 1)})",
-                f"{sync['bytes_per_step'] / 1e6:.0f}",
-                " / ".join(f"{r['peak_rss_mb']:.0f}" for r in (ddp, sync, asy)),
-            ]
-        )
-    header = [
-        "params (M)",
-        "workers",
-        "compute ms",
-        "DDP ms",
-        "PS-sync ms (×DDP)",
-        "PS-async ms (×DDP)",
-        "PS bytes/step (MB)",
-        "peak RSS rank 0 (MB): DDP / sync / async",
-    ]
-    return _provenance(f, "cost_curves", f"{f}.csv") + "\n\n" + _table(header, rows)
-
-
 def cost_shm_table() -> str:
     """The sweep with shared memory: DDP, PS-sync, PS-sync bf16, PS-async."""
     f = "cost_curves_shm"
@@ -930,7 +883,6 @@ RENDERERS: dict[str, Callable[..., str]] = {
         digits_table,
         digits_gap,
         digits_reach,
-        cost_table,
         cost_shm_table,
         curve_ratio,
         curve_s,
