@@ -124,7 +124,7 @@ class ClientBase(abc.ABC):
         self.check_trainable()
         self.guard.before_step(self.next_step)
 
-    def after_step(self) -> None:
+    def after_step(self) -> None:  # noqa: B027 - a no-op by default, not abstract
         """Called after an optimizer that owns the model stepped."""
 
     def flush(self) -> None:
@@ -135,7 +135,7 @@ class ClientBase(abc.ABC):
         """Called once when the training function returns."""
         self.raise_pending()
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a no-op by default, not abstract
         """Releases threads and shared memory (never raises)."""
 
     # --- shared mechanics ----------------------------------------------------------
