@@ -72,6 +72,31 @@ def _sgd_step(model, opt, client, x, y):
     client.after_step()
 
 
+def _constant_gradient_steps(models, clients, opts, steps):
+    """Every worker, in its own thread, takes ``steps`` SGD steps with gradient 1 on
+    every parameter (whatever its dtype), flushes, then every client syncs."""
+
+    def run(rank):
+        model, client, opt = models[rank], clients[rank], opts[rank]
+        for _ in range(steps):
+            client.before_forward()
+            loss = sum(p.float().sum() for p in model.parameters())  # gradient 1
+            opt.zero_grad()
+            loss.backward()
+            client.before_step()
+            opt.step()
+            client.after_step()
+        client.flush()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(models))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for c in clients:
+        c.sync()
+
+
 def test_split_bounds_covers_everything_evenly():
     assert split_bounds(10, 3) == [0, 3, 6, 10]
     assert split_bounds(2, 4) == [0, 0, 1, 1, 2]
@@ -199,25 +224,7 @@ def test_constant_gradients_land_exactly_n_times_w_deltas(loop, shared):
     start = _flat(models[0]).clone()
     opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in models]
 
-    def run(rank):
-        model, client, opt = models[rank], clients[rank], opts[rank]
-        for _ in range(steps):
-            client.before_forward()
-            loss = sum(p.sum() for p in model.parameters())  # gradient 1 everywhere
-            opt.zero_grad()
-            loss.backward()
-            client.before_step()
-            opt.step()
-            client.after_step()
-        client.flush()
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    for c in clients:
-        c.sync()
+    _constant_gradient_steps(models, clients, opts, steps)
     for m in models:
         torch.testing.assert_close(_flat(m), start - steps * lr, atol=1e-5, rtol=0)
 
@@ -235,25 +242,7 @@ def test_bf16_models_train_on_fp32_masters_and_stay_bf16(loop, shared):
     start = _flat(models[0]).float().clone()
     opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in models]
 
-    def run(rank):
-        model, client, opt = models[rank], clients[rank], opts[rank]
-        for _ in range(steps):
-            client.before_forward()
-            loss = sum(p.float().sum() for p in model.parameters())  # gradient 1
-            opt.zero_grad()
-            loss.backward()
-            client.before_step()
-            opt.step()
-            client.after_step()
-        client.flush()
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    for c in clients:
-        c.sync()
+    _constant_gradient_steps(models, clients, opts, steps)
     masters = torch.cat([s._models[0].params for s in servers])
     assert masters.dtype == torch.float32
     for m in models:
