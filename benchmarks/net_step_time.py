@@ -22,6 +22,10 @@ Variants (run in alternation within each round, so drifts hit them alike):
 - ``ps_sync_256kib`` / ``ps_sync_512kib`` / ``ps_sync_1mib`` / ``ps_sync_4mib`` /
   ``ps_sync_16mib``: fixed ``chunk_bytes``
   instead of the automatic choice (1 MiB across nodes on the direct path).
+- ``ps_diloco_h1`` / ``ps_diloco_h8`` / ``ps_diloco_h32`` / ``ps_diloco_h128``:
+  ``mode="diloco"`` with ``local_steps`` H (Nesterov outer step, synchronous
+  rounds). Their warm-up and timed steps are rounded up to whole rounds (at least
+  two timed rounds), so the mean holds every round's transfer.
 - ``compute``: no synchronisation at all (the floor; not run by default).
 
 Step time is rank 0's mean over the steps after warm-up; the table shows the median
@@ -88,6 +92,10 @@ VARIANTS: dict[str, tuple[dict[str, Any], str | None, bool]] = {
     "ps_sync_16mib": ({"strategy": "ps", "chunk_bytes": 16 << 20}, None, True),
     "ps_sync_node": ({"strategy": "ps", "server_placement": "node"}, None, True),
     "ps_sync_worker": ({"strategy": "ps", "server_placement": "worker"}, None, True),
+    **{
+        f"ps_diloco_h{h}": ({"strategy": "ps", "mode": "diloco", "local_steps": h}, None, True)
+        for h in (1, 8, 32, 128)
+    },
     "compute": ({"strategy": "ddp"}, None, False),
 }
 DEFAULT_VARIANTS = "ddp,ddp_bf16,ps_sync,ps_sync_bf16"
@@ -160,9 +168,18 @@ def bench_loop(config: dict[str, Any]) -> None:
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
 
 
+def whole_rounds(fields: dict[str, Any], warmup: int, steps: int) -> tuple[int, int]:
+    """Warm-up and timed steps of a variant: for DiLoCo rounded up to whole rounds
+    of ``local_steps``, with at least two timed rounds, so the timed window starts
+    right after a round and holds every round's transfer."""
+    h = fields.get("local_steps", 1) if fields.get("mode") == "diloco" else 1
+    return -(-warmup // h) * h, max(-(-steps // h), 2 if h > 1 else 1) * h
+
+
 def run_variant(name: str, args: argparse.Namespace, storage: str) -> dict[str, Any]:
     """One ``fit()`` of variant ``name``; returns rank 0's metrics."""
     fields, hook, sync = VARIANTS[name]
+    warmup, steps = whole_rounds(fields, args.warmup, args.steps)
     n = args.nodes * args.workers_per_node
     # One worker per node: STRICT_SPREAD guarantees it. Several: SPREAD balances the
     # bundles over the nodes (checked below).
@@ -175,8 +192,8 @@ def run_variant(name: str, args: argparse.Namespace, storage: str) -> dict[str, 
             "sync": sync,
             "comm_hook": hook,
             "width": args.width,
-            "steps": args.steps,
-            "warmup": args.warmup,
+            "steps": steps,
+            "warmup": warmup,
             "ifname": args.ifname,
         },
         scaling_config=ScalingConfig(

@@ -131,8 +131,12 @@ class ClientBase(abc.ABC):
         """Waits until this worker's updates are applied on every shard."""
         self.raise_pending()
 
-    def finish(self) -> None:
-        """Called once when the training function returns."""
+    def finish(self, clean: bool = True) -> None:
+        """Called once when the training function ends.
+
+        Args:
+            clean: Whether it returned (``False``: it raised, so nothing new is sent).
+        """
         self.raise_pending()
 
     def close(self) -> None:  # noqa: B027 - a no-op by default, not abstract

@@ -13,6 +13,8 @@ from typing import Any
 
 from ray_ps_plugin._client import ClientBase, ClientSetup
 from ray_ps_plugin._param.client import ParamClient
+from ray_ps_plugin._param.diloco_client import DilocoClient
+from ray_ps_plugin._param.diloco_shard import DilocoShard
 from ray_ps_plugin._param.shard import ParamShard
 from ray_ps_plugin._shard import ShardBase
 from ray_ps_plugin._sync.client import SumClient
@@ -20,7 +22,7 @@ from ray_ps_plugin._sync.layout import SHARD_MAX_CONCURRENCY
 from ray_ps_plugin._sync.setup import connect_shards
 from ray_ps_plugin._sync.shard import SumShard
 from ray_ps_plugin._transport import Transport
-from ray_ps_plugin._types import Mode, RunSettings, staleness_bound
+from ray_ps_plugin._types import Mode, RunSettings, outer_learning_rate, staleness_bound
 
 __all__ = ["MODE_SPECS", "ModeSpec"]
 
@@ -69,4 +71,24 @@ _PARAM = ModeSpec(
     max_concurrency=1000,
 )
 
-MODE_SPECS: dict[Mode, ModeSpec] = {"sync": _SUM, "async": _PARAM, "ssp": _PARAM}
+_DILOCO = ModeSpec(
+    shard_cls=DilocoShard,
+    shard_args=lambda cfg: (
+        staleness_bound(cfg),
+        cfg.ps_timeout_s,
+        cfg.compression,
+        cfg.outer_optimizer,
+        outer_learning_rate(cfg),
+        cfg.outer_momentum,
+    ),
+    build_client=DilocoClient.build,
+    uses_reducer=False,
+    max_concurrency=_PARAM.max_concurrency,  # the same calls as async/ssp
+)
+
+MODE_SPECS: dict[Mode, ModeSpec] = {
+    "sync": _SUM,
+    "async": _PARAM,
+    "ssp": _PARAM,
+    "diloco": _DILOCO,
+}

@@ -307,7 +307,7 @@ def finish_clients(raising: bool) -> None:
     """
     for client in _CLIENTS:
         try:
-            client.finish()
+            client.finish(clean=raising)
         except Exception:
             if raising:
                 raise

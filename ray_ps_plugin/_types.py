@@ -12,26 +12,34 @@ from typing import Literal, Protocol, get_args
 __all__ = [
     "COMPRESSIONS",
     "DATA_PATHS",
+    "DEFAULT_OUTER_LR",
     "MODES",
     "NAN_POLICIES",
+    "OUTER_OPTIMIZERS",
+    "ROUND_MODES",
     "SERVER_PLACEMENTS",
     "STRATEGIES",
     "Compression",
     "DataPath",
     "Mode",
     "NanPolicy",
+    "OuterOptimizer",
+    "RoundMode",
     "RunSettings",
     "ServerPlacement",
     "Strategy",
+    "outer_learning_rate",
     "staleness_bound",
 ]
 
 Strategy = Literal["ddp", "ps"]
-Mode = Literal["sync", "async", "ssp"]
+Mode = Literal["sync", "async", "ssp", "diloco"]
 NanPolicy = Literal["raise", "skip", "ignore"]
 Compression = Literal["bf16", "fp16"]
 ServerPlacement = Literal["auto", "worker", "node"]
 DataPath = Literal["tcp", "object_store"]
+OuterOptimizer = Literal["nesterov", "average"]
+RoundMode = Literal["sync", "async"]
 
 STRATEGIES: tuple[Strategy, ...] = get_args(Strategy)
 MODES: tuple[Mode, ...] = get_args(Mode)
@@ -39,11 +47,34 @@ NAN_POLICIES: tuple[NanPolicy, ...] = get_args(NanPolicy)
 COMPRESSIONS: tuple[Compression, ...] = get_args(Compression)
 SERVER_PLACEMENTS: tuple[ServerPlacement, ...] = get_args(ServerPlacement)
 DATA_PATHS: tuple[DataPath, ...] = get_args(DataPath)
+OUTER_OPTIMIZERS: tuple[OuterOptimizer, ...] = get_args(OuterOptimizer)
+ROUND_MODES: tuple[RoundMode, ...] = get_args(RoundMode)
+
+#: The outer learning rate of each outer optimizer when ``PSConfig.outer_lr`` is
+#: ``None``: DiLoCo's 0.7 for Nesterov momentum, 1 for plain averaging (the new
+#: global parameters are then the mean of the workers' parameters: local SGD).
+DEFAULT_OUTER_LR: dict[OuterOptimizer, float] = {"nesterov": 0.7, "average": 1.0}
 
 
 def staleness_bound(settings: RunSettings) -> int | None:
-    """The ssp bound on clock gaps, or ``None`` (no bound) outside ``mode="ssp"``."""
-    return settings.staleness if settings.mode == "ssp" else None
+    """The bound on clock gaps a shard enforces, or ``None`` for no bound.
+
+    ``"ssp"``: ``staleness`` steps. ``"diloco"``: 0 rounds with synchronous rounds
+    (every worker's round ``k`` is in before anyone's round ``k + 1`` starts),
+    ``staleness`` rounds with asynchronous ones. ``"async"``: no bound.
+    """
+    if settings.mode == "ssp":
+        return settings.staleness
+    if settings.mode == "diloco":
+        return settings.staleness if settings.diloco_rounds == "async" else 0
+    return None
+
+
+def outer_learning_rate(settings: RunSettings) -> float:
+    """``outer_lr``, or the outer optimizer's default when it is ``None``."""
+    if settings.outer_lr is not None:
+        return settings.outer_lr
+    return DEFAULT_OUTER_LR[settings.outer_optimizer]
 
 
 class RunSettings(Protocol):
@@ -63,3 +94,8 @@ class RunSettings(Protocol):
     shared_memory: bool
     data_path: DataPath
     node_aggregation: bool
+    local_steps: int
+    outer_optimizer: OuterOptimizer
+    outer_lr: float | None
+    outer_momentum: float
+    diloco_rounds: RoundMode

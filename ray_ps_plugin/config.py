@@ -37,12 +37,16 @@ from ray_ps_plugin._types import (
     DATA_PATHS,
     MODES,
     NAN_POLICIES,
+    OUTER_OPTIMIZERS,
+    ROUND_MODES,
     SERVER_PLACEMENTS,
     STRATEGIES,
     Compression,
     DataPath,
     Mode,
     NanPolicy,
+    OuterOptimizer,
+    RoundMode,
     ServerPlacement,
     Strategy,
 )
@@ -64,9 +68,12 @@ class PSConfig(TorchConfig):
 
     Args:
         strategy: ``"ps"`` (parameter servers) or ``"ddp"`` (stock all-reduce).
-        mode: ``"sync"`` (same maths as DDP), ``"async"`` or ``"ssp"``.
+        mode: ``"sync"`` (same maths as DDP), ``"async"``, ``"ssp"`` or
+            ``"diloco"`` (local steps with an outer optimizer on the shards).
         staleness: Largest clock gap between fastest and slowest worker in
-            ``"ssp"`` mode; must stay 0 in the other modes.
+            ``"ssp"`` mode, and largest round gap with
+            ``mode="diloco", diloco_rounds="async"`` (at least 1 there); must stay
+            0 otherwise.
         num_servers: Number of server shards. ``None`` starts one per worker, each on
             its worker's node. More shards than workers are placed round-robin on the
             workers' bundles.
@@ -115,6 +122,20 @@ class PSConfig(TorchConfig):
             workers first sum their gradients on that node's first shard, which
             then sends one partial sum per node across the network (needs
             ``data_path="tcp"`` and a shard on the node; ignored otherwise).
+        local_steps: ``"diloco"``: optimizer steps each worker takes on its own copy
+            between two rounds with the shards (H). Every round sends the change
+            since the last global parameters and installs the new ones.
+        outer_optimizer: ``"diloco"``: how the shards turn the workers' changes
+            into the next global parameters: ``"nesterov"`` (SGD with Nesterov
+            momentum on the averaged pseudo-gradient, as DiLoCo) or ``"average"``
+            (the scaled mean change: local SGD when ``outer_lr`` is 1).
+        outer_lr: ``"diloco"``: the outer learning rate; ``None`` is 0.7 for
+            ``"nesterov"`` and 1.0 for ``"average"``.
+        outer_momentum: ``"diloco"`` with ``"nesterov"``: the outer momentum (0.9).
+        diloco_rounds: ``"diloco"``: ``"sync"`` (every worker's round k is applied
+            before anyone's round k + 1 starts) or ``"async"`` (each worker's change
+            is applied as it arrives, with the momentum delayed to every W-th
+            arrival; ``staleness`` bounds how many rounds a worker may run ahead).
         backend: Torch process-group backend (see TorchConfig). The PS strategy still
             starts one, because DDP's constructor broadcasts rank 0's initial
             parameters and buffers through it.
@@ -139,16 +160,17 @@ class PSConfig(TorchConfig):
     shared_memory: bool = True
     data_path: DataPath = "tcp"
     node_aggregation: bool = True
+    local_steps: int = 32
+    outer_optimizer: OuterOptimizer = "nesterov"
+    outer_lr: float | None = None
+    outer_momentum: float = 0.9
+    diloco_rounds: RoundMode = "sync"
 
     def __post_init__(self) -> None:
         _check_choice("strategy", self.strategy, STRATEGIES)
         _check_choice("mode", self.mode, MODES)
         _check_int("staleness", self.staleness, minimum=0)
-        if self.staleness and self.mode != "ssp":
-            raise ValueError(
-                f"PSConfig.staleness={self.staleness} only applies to mode='ssp' "
-                f"(got mode={self.mode!r}); set mode='ssp' or staleness=0."
-            )
+        self._check_diloco()
         if self.num_servers is not None:
             _check_int("num_servers", self.num_servers, minimum=1)
         if self.chunk_bytes is not None:
@@ -172,6 +194,43 @@ class PSConfig(TorchConfig):
                 f"be combined with num_servers={self.num_servers}; drop one of them."
             )
 
+    def _check_diloco(self) -> None:
+        """Checks the DiLoCo fields, and that none is set outside ``mode="diloco"``
+        (a field that would be silently ignored is a mistake worth naming)."""
+        _check_int("local_steps", self.local_steps, minimum=1)
+        _check_choice("outer_optimizer", self.outer_optimizer, OUTER_OPTIMIZERS)
+        _check_choice("diloco_rounds", self.diloco_rounds, ROUND_MODES)
+        if self.outer_lr is not None:
+            _check_positive("outer_lr", self.outer_lr)
+        _check_number("outer_momentum", self.outer_momentum)
+        if not 0.0 <= self.outer_momentum < 1.0:
+            raise ValueError(
+                f"PSConfig.outer_momentum must be in [0, 1), got {self.outer_momentum!r}."
+            )
+        stale_rounds = self.mode == "diloco" and self.diloco_rounds == "async"
+        if self.staleness and self.mode != "ssp" and not stale_rounds:
+            raise ValueError(
+                f"PSConfig.staleness={self.staleness} only applies to mode='ssp' and to "
+                f"mode='diloco' with diloco_rounds='async' (got mode={self.mode!r}); "
+                "set one of them or staleness=0."
+            )
+        if stale_rounds and not self.staleness:
+            raise ValueError(
+                "PSConfig(mode='diloco', diloco_rounds='async') needs staleness >= 1: the "
+                "most rounds a worker may run ahead of the slowest one (staleness=0 "
+                "would make every round wait for all workers: diloco_rounds='sync')."
+            )
+        if self.mode == "diloco":
+            return
+        defaults = {f.name: f.default for f in dataclasses.fields(PSConfig)}
+        for name in _DILOCO_FIELDS:
+            if getattr(self, name) != defaults[name]:
+                raise ValueError(
+                    f"PSConfig.{name}={getattr(self, name)!r} only applies to "
+                    f"mode='diloco' (got mode={self.mode!r}); set mode='diloco' or "
+                    f"leave {name} at its default."
+                )
+
     @property
     def backend_cls(self) -> type[TorchBackend]:
         return TorchBackend if self.strategy == "ddp" else PSBackend
@@ -185,6 +244,9 @@ class PSConfig(TorchConfig):
     def to_dict(self) -> dict[str, Any]:
         own = {f.name: getattr(self, f.name) for f in dataclasses.fields(PSConfig)}
         return {**super().to_dict(), **own}
+
+
+_DILOCO_FIELDS = ("local_steps", "outer_optimizer", "outer_lr", "outer_momentum", "diloco_rounds")
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
@@ -202,6 +264,18 @@ def _check_int(name: str, value: object, minimum: int) -> None:
         raise TypeError(f"PSConfig.{name} must be an int, got {type(value).__name__} {value!r}.")
     if value < minimum:
         raise ValueError(f"PSConfig.{name} must be >= {minimum}, got {value}.")
+
+
+def _check_number(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"PSConfig.{name} must be a number, got {type(value).__name__} {value!r}.")
+
+
+def _check_positive(name: str, value: object) -> None:
+    _check_number(name, value)
+    assert isinstance(value, (int, float))
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"PSConfig.{name} must be a finite number > 0, got {value!r}.")
 
 
 def _check_seconds(name: str, value: object) -> None:

@@ -252,6 +252,15 @@ class ParamClient(ClientBase):
         # A reply ssp already installed before the forward pass is ``_base`` now:
         # it is neither installed nor counted a second time.
         self._advance(None if self._installed else previous, self._clock % 2)
+        self._inflight = _InFlight(self._clock + 1, self._push(), time.perf_counter())
+        self._installed = False
+        with self._lock:
+            self._stats.steps = self._clock
+        self._export_metrics()
+
+    def _push(self) -> list[Any]:
+        """Sends the delta taken into the push buffers as the next clock's update;
+        returns the calls' handles (each answers with its shard's parameters)."""
         self._clock += 1
         slot = self._clock % 2
         wired = len(self._lanes) < self.num_shards
@@ -271,14 +280,14 @@ class ParamClient(ClientBase):
                         s, "push_pull", self.model_id, self.rank, self._clock, delta[a:b]
                     )
                 )
-        self._inflight = _InFlight(self._clock, handles, time.perf_counter())
-        self._installed = False
         with self._lock:
-            self._stats.steps = self._clock
             self._stats.clock = self._clock
             self._stats.pushes += len(handles)
             for s, nbytes in enumerate(self._slice_bytes):
                 self._count_push(s, nbytes)
+        return handles
+
+    def _export_metrics(self) -> None:
         if self._metrics is not None and self._metrics.due():
             self._metrics.export(self.snapshot())
 
@@ -335,12 +344,12 @@ class ParamClient(ClientBase):
         self._wait(handles, "loading a state dict")
         self._installed = True  # the loaded values are what the shards hold now
 
-    def finish(self) -> None:
+    def finish(self, clean: bool = True) -> None:
         """Confirms the last update and releases the workers waiting for this one."""
         if self._finished:
             return
         self._finished = True
-        super().finish()
+        super().finish(clean)
         if self._forwards and not self._clock:
             logger.warning(
                 "rank %d ran %d forward passes but no optimizer.step() on the PS model's "

@@ -289,11 +289,8 @@ class ParamShard(ShardBase):
                     f"{list(update.shape)} elements for a slice of "
                     f"{list(state.params.shape)}; the workers' models differ."
                 )
-            # Each worker contributes 1/W of its step: W updates, one from each
-            # worker, move the parameters as far as one DDP step (mean of steps),
-            # so learning rates tuned for DDP carry over.
-            state.params.add_(update.to(state.params.dtype), alpha=1.0 / self.num_workers)
             state.clocks[rank] = clock
+            self._apply(model, state, rank, update)
             self._pushes += 1
             self._bytes_in += nbytes
             async with self._changed:
@@ -305,6 +302,14 @@ class ParamShard(ShardBase):
                 "are missing."
             )
         return await self._read(state, model, rank, clock, slot)
+
+    def _apply(self, model: int, state: _ParamState, rank: int, update: torch.Tensor) -> None:
+        """Applies one update of ``rank`` (its clock is already counted)."""
+        assert state.params is not None
+        # Each worker contributes 1/W of its step: W updates, one from each worker,
+        # move the parameters as far as one DDP step (mean of steps), so learning
+        # rates tuned for DDP carry over.
+        state.params.add_(update.to(state.params.dtype), alpha=1.0 / self.num_workers)
 
     async def _wait_initialised(self, state: _ParamState, model: int, rank: int) -> torch.Tensor:
         if not state.initialised.is_set():

@@ -132,4 +132,5 @@ def probe_servers(model: nn.Module) -> dict[str, Any]:
         "max_read_gap": max(c - m for r in reads for _, c, m in r),
         "max_read_gap_counter": max(st["max_read_gap"] for st in stats),
         "reads": sum(len(r) for r in reads),
+        "rounds": [st["rounds"].get(0, 0) for st in stats if "rounds" in st],
     }

@@ -168,6 +168,7 @@ def wait_until(pred, timeout_s: float = 20.0) -> bool:
 
 # --- failure injection in the backend -------------------------------------------
 from ray_ps_plugin import PSConfig
+from ray_ps_plugin._param.diloco_shard import DilocoShard
 from ray_ps_plugin._param.shard import ParamShard
 from ray_ps_plugin.config import PSBackend
 
@@ -272,8 +273,8 @@ def live_reapers() -> int:
 
 
 # --- instrumented shards (test probes live here, not in the product) -----------------
-class LoggedParamShard(ParamShard):
-    """A parameter shard that logs every read: (rank, reader's clock, slowest clock)."""
+class _ReadLog:
+    """Logs every read a parameter shard answers: (rank, reader's clock, slowest)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -286,8 +287,18 @@ class LoggedParamShard(ParamShard):
         return list(self._reads)
 
 
+class LoggedParamShard(_ReadLog, ParamShard):
+    """An async/ssp shard that logs its reads."""
+
+
+class LoggedDilocoShard(_ReadLog, DilocoShard):
+    """A DiLoCo shard that logs its reads."""
+
+
 class _LoggedBackend(PSBackend):
     def shard_class(self, cfg: PSConfig) -> type:
+        if cfg.mode == "diloco":
+            return LoggedDilocoShard
         return LoggedParamShard if cfg.mode != "sync" else super().shard_class(cfg)
 
 

@@ -47,6 +47,14 @@ FITS = {
     # store so that every byte is encoded (and that path is covered too).
     "sync_sgd_bf16": (SGD, {"compression": "bf16", "shared_memory": False}),
     "async_sgd_fp16": (SGD, {"mode": "async", "compression": "fp16", "shared_memory": False}),
+    # DiLoCo: one local step with plain averaging is sync's maths; 32 local steps
+    # (3 rounds of 32, 31 and 32 steps... here 95 = 2 x 32 + 31) with Nesterov.
+    "diloco_h1_average": (SGD, {"mode": "diloco", "local_steps": 1, "outer_optimizer": "average"}),
+    "diloco_h32": (SGD, {"mode": "diloco", "local_steps": 32}),
+    "diloco_async_straggler": (
+        {**SGD, **STRAGGLER, "out_dir": "diloco"},
+        {"mode": "diloco", "local_steps": 8, "diloco_rounds": "async", "staleness": 2},
+    ),
 }
 
 
@@ -150,6 +158,36 @@ def test_16_bit_compression_halves_bytes_and_keeps_accuracy(runs, name, ref, acc
     assert m["accuracy"] >= acc - points, (m["accuracy"], acc)
     assert m["ps"]["bytes_pushed"] * 2 == r["ps"]["bytes_pushed"]
     assert m["ps"]["bytes_pulled"] * 2 == r["ps"]["bytes_pulled"]
+
+
+def test_diloco_with_one_local_step_and_plain_averaging_is_sync_maths(runs):
+    sync, diloco = loops.load_state(runs["sync_sgd"]), loops.load_state(runs["diloco_h1_average"])
+    diff = max((sync[k] - diloco[k]).abs().max().item() for k in sync)
+    assert diff <= 1e-5, diff
+    assert runs["diloco_h1_average"].metrics["ps"]["clock"] == 95  # a round per step
+
+
+@pytest.mark.parametrize(("name", "points"), [("diloco_h32", 0.01), ("diloco_async_straggler", 0.02)])
+def test_diloco_reaches_sync_accuracy(runs, name, points):
+    m, ref = runs[name].metrics, runs["sync_sgd"].metrics
+    assert m["accuracy"] >= ref["accuracy"] - points, (m["accuracy"], ref["accuracy"])
+    assert m["steps"] == 95 and m["lr"] == pytest.approx(SGD["lr"] * 0.25)
+
+
+def test_diloco_sends_a_round_every_local_steps_and_the_last_at_the_end(runs):
+    m = runs["diloco_h32"].metrics
+    assert m["ps"]["clock"] == 3  # steps 32, 64 and the last 31 at the loop's end
+    assert m["probe"]["rounds"] == [3, 3]  # both shards applied three rounds
+    # Bytes: one push and one reply of the whole model per round, not per step.
+    h1 = runs["diloco_h1_average"].metrics["ps"]
+    assert m["ps"]["bytes_pushed"] * 95 == h1["bytes_pushed"] * 3
+
+
+def test_async_diloco_lets_the_fast_worker_run_ahead_within_the_bound(runs):
+    m = runs["diloco_async_straggler"].metrics
+    fast = json.loads((runs.out_dir / "diloco" / "rank0.json").read_text())["ps"]
+    assert fast["clock"] == 12  # 11 rounds of 8 steps, the last 7 at the end
+    assert 1 <= m["probe"]["max_read_gap"] <= 2
 
 
 def test_no_server_outlives_the_runs(runs):

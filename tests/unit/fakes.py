@@ -125,10 +125,18 @@ class Settings:
         nan_policy="raise",
         compression=None,
         shared_memory=True,
+        local_steps=32,
+        outer_optimizer="nesterov",
+        outer_lr=None,
+        outer_momentum=0.9,
+        diloco_rounds="sync",
     ):
         self.mode, self.staleness, self.chunk_bytes = mode, staleness, chunk_bytes
         self.ps_timeout_s, self.nan_policy = ps_timeout_s, nan_policy
         self.compression, self.shared_memory = compression, shared_memory
+        self.local_steps, self.outer_optimizer = local_steps, outer_optimizer
+        self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
+        self.diloco_rounds = diloco_rounds
 
 
 def setup_for(module, rank, world, num_shards, settings, local=(), remote=frozenset(), model_id=0):

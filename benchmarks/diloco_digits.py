@@ -1,0 +1,217 @@
+"""What local steps cost in quality: digits accuracy of DiLoCo against DDP.
+
+Every variant trains the same MLP on scikit-learn's digits (bundled, no download)
+with the same inner optimizer (SGD, momentum 0.9), batch, number of steps per worker
+and seeds, so every variant sees the same number of samples:
+
+- ``ddp``, ``ps_sync``: the baselines (all-reduce, sync parameter servers);
+- ``diloco_h{1,8,32,128}``: ``mode="diloco"``, synchronous rounds, Nesterov outer
+  step with the paper's defaults (lr 0.7, momentum 0.9);
+- with a straggler (rank 1 sleeps ``--sleep-ms`` after every step):
+  ``ddp_straggler``, ``diloco_h32_straggler`` (synchronous rounds) and
+  ``diloco_async_h32_straggler`` (asynchronous rounds, staleness 2).
+
+Rank 0 evaluates the test accuracy after every round (every ``max(32, H)`` steps;
+DDP and sync every 32) and at the end, after ``flush()`` has sent the last round.
+The JSON holds every curve; the PNG shows accuracy against samples and against
+wall time.
+
+    python benchmarks/diloco_digits.py            # reference run (3 seeds)
+    python benchmarks/diloco_digits.py --quick    # smoke run
+
+Targets: the final accuracy (mean over seeds) of ``diloco_h32`` within 1 point of
+DDP's, of ``diloco_async_h32_straggler`` within 2 points.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
+
+import ray
+import ray.train
+import ray.train.torch
+import torch
+import torch.nn as nn
+from ray import cloudpickle
+from ray.train import RunConfig, ScalingConfig
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _common
+
+from ray_ps_plugin import PSConfig, PSTrainer, get_ps_context
+
+cloudpickle.register_pickle_by_value(_common)
+
+
+def _diloco(h: int, **kw: Any) -> dict[str, Any]:
+    return {"strategy": "ps", "mode": "diloco", "local_steps": h, **kw}
+
+
+# name -> (PSConfig fields, straggler)
+VARIANTS: dict[str, tuple[dict[str, Any], bool]] = {
+    "ddp": ({"strategy": "ddp"}, False),
+    "ps_sync": ({"strategy": "ps", "mode": "sync"}, False),
+    **{f"diloco_h{h}": (_diloco(h), False) for h in (1, 8, 32, 128)},
+    "ddp_straggler": ({"strategy": "ddp"}, True),
+    "diloco_h32_straggler": (_diloco(32), True),
+    "diloco_async_h32_straggler": (_diloco(32, diloco_rounds="async", staleness=2), True),
+}
+
+
+def digits_loop(config: dict[str, Any]) -> None:
+    """Trains the digits MLP; rank 0 records (step, seconds, test accuracy)."""
+    torch.set_num_threads(1)
+    torch.manual_seed(config["seed"])
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    xtr, ytr, xte, yte = _common.digits_split()
+    xtr, ytr = xtr[rank::world], ytr[rank::world]
+    model = ray.train.torch.prepare_model(_common.digits_mlp())
+    opt = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9)
+    sleep_s = config["sleep_s"] if rank == 1 else 0.0
+    g = torch.Generator().manual_seed(config["seed"] * 100 + rank)
+    ps = get_ps_context()
+    h = config["local_steps"]
+    every = max(32, h)
+
+    def accuracy() -> float:
+        with torch.no_grad():
+            return (model(xte).argmax(1) == yte).float().mean().item()
+
+    curve = []
+    start = time.perf_counter()
+    for step in range(1, config["steps"] + 1):
+        idx = torch.randint(0, len(xtr), (config["batch"],), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
+        opt.step()
+        if sleep_s:
+            time.sleep(sleep_s)
+        if rank == 0 and step % every == 0 and step < config["steps"]:
+            curve.append((step, time.perf_counter() - start, accuracy()))
+    if ps is not None:
+        ps.flush()  # DiLoCo: the last round (if any steps are left) reaches the shards
+    if rank == 0:
+        curve.append((config["steps"], time.perf_counter() - start, accuracy()))
+        Path(config["out_dir"], "curve.json").write_text(json.dumps(curve))
+    ray.train.report({"done": True})
+
+
+def run(name: str, seed: int, args: argparse.Namespace, storage: str) -> list[list[float]]:
+    fields, straggler = VARIANTS[name]
+    with tempfile.TemporaryDirectory() as out_dir:
+        PSTrainer(
+            digits_loop,
+            ps_config=PSConfig(**fields),
+            train_loop_config={
+                "seed": seed,
+                "lr": args.lr,
+                "batch": args.batch,
+                "steps": args.steps,
+                "local_steps": fields.get("local_steps", 1),
+                "sleep_s": args.sleep_ms / 1e3 if straggler else 0.0,
+                "out_dir": out_dir,
+            },
+            scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
+            run_config=RunConfig(storage_path=storage, name=f"{name}-{time.time_ns()}"),
+        ).fit()
+        return json.loads(Path(out_dir, "curve.json").read_text())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--steps", type=int, default=640, help="optimizer steps per worker")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--lr", type=float, default=0.05, help="inner SGD learning rate")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--sleep-ms", type=float, default=20.0, help="the straggler's sleep")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--quick", action="store_true", help="1 seed, 256 steps")
+    p.add_argument("--out", default="benchmarks/results/diloco_digits.json")
+    p.add_argument("--plot", default="docs/img/diloco_digits.png")
+    args = p.parse_args()
+    if args.quick:
+        args.seeds, args.steps = 1, 256
+    names = args.variants.split(",")
+    unknown = set(names) - set(VARIANTS)
+    if unknown:
+        p.error(f"unknown variant(s) {sorted(unknown)}; choose from {list(VARIANTS)}")
+    ray.init(num_cpus=2, log_to_driver=False)
+    curves: dict[str, list[list[list[float]]]] = {n: [] for n in names}
+    with tempfile.TemporaryDirectory() as storage:
+        for seed in range(args.seeds):
+            for name in names:
+                curves[name].append(run(name, seed, args, storage))
+                last = curves[name][-1][-1]
+                print(f"seed {seed} {name}: accuracy {last[2]:.3f} after {last[1]:.1f} s", flush=True)
+    ray.shutdown()
+
+    def final(name: str) -> float:
+        return statistics.fmean(c[-1][2] for c in curves[name])
+
+    summary = {
+        **_common.machine_info(),
+        "args": vars(args),
+        "final_accuracy": {n: final(n) for n in names},
+        "points_below_ddp": {
+            n: (final("ddp" if "straggler" not in n else "ddp_straggler") - final(n)) * 100
+            for n in names
+            if "ddp" in names and ("straggler" not in n or "ddp_straggler" in names)
+        },
+        "wall_s": {n: statistics.fmean(c[-1][1] for c in curves[n]) for n in names},
+        "curves": curves,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=2))
+    _plot(curves, args)
+    print("| variant | final accuracy (mean of seeds) | points below DDP | wall time (s) |")
+    print("|---|---|---|---|")
+    for n in names:
+        below = summary["points_below_ddp"].get(n)
+        print(
+            f"| {n} | {final(n):.3f} | {'n/a' if below is None else f'{below:+.1f}'} "
+            f"| {summary['wall_s'][n]:.1f} |"
+        )
+    print(f"wrote {out} and {args.plot}")
+
+
+def _plot(curves: dict[str, list[list[list[float]]]], args: argparse.Namespace) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_samples, by_time) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, runs in curves.items():
+        seed0 = runs[0]
+        samples = [s * args.batch * 2 for s, _, _ in seed0]
+        style = "--" if "straggler" in name else "-"
+        by_samples.plot(samples, [a for *_, a in seed0], style, marker=".", label=name)
+        by_time.plot([t for _, t, _ in seed0], [a for *_, a in seed0], style, marker=".", label=name)
+    by_samples.set_xlabel("samples (both workers)")
+    by_time.set_xlabel("wall time (s)")
+    for ax in (by_samples, by_time):
+        ax.set_ylabel("test accuracy (rank 0, seed 0)")
+        ax.grid(alpha=0.3)
+    by_time.legend(fontsize=7)
+    fig.suptitle(f"digits, 2 workers; dashed: rank 1 sleeps {args.sleep_ms:g} ms/step")
+    Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(args.plot, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

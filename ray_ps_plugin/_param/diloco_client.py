@@ -1,0 +1,155 @@
+"""The DiLoCo worker client: H local steps, then one round with the shards.
+
+The user's optimizer is the inner optimizer and steps the worker's own copy,
+untouched, for ``local_steps`` (H) steps. After the H-th step the client:
+
+1. takes the change since the global parameters it installed last
+   (``delta = params - global``) into the push buffers: straight into the shared
+   memory of the shards on its node, into a host buffer for the others;
+2. pushes it to every shard (one call per shard, the round number as the clock),
+   and waits for the replies: the shards answer with the new global parameters once
+   the round is applied (synchronous rounds) or once the slowest worker is at most
+   ``staleness`` rounds behind (asynchronous rounds);
+3. installs them into the model: the next round starts from them.
+
+The transfer does not overlap the inner steps: a worker waits for its round's
+reply. One round of delay would hide it (train round k + 1 while round k travels,
+then add the local progress onto the late reply) but it changes the maths: a
+round's change would be computed from parameters the shards never held, and
+``local_steps=1`` with plain averaging would no longer be synchronous SGD. With H
+steps per transfer the wait is a small share of a round (see the benchmarks).
+
+A training function that ends between two rounds sends its last, shorter round
+from :meth:`flush` (which the end of the loop calls too), so no local step is lost;
+the shards apply a round without the workers that finished.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ray_ps_plugin._client import ClientBase, ClientSetup
+from ray_ps_plugin._nonfinite import all_finite
+from ray_ps_plugin._param.client import ParamClient
+from ray_ps_plugin._transport import Transport
+
+__all__ = ["DilocoClient"]
+
+
+class DilocoClient(ParamClient):
+    """Runs the user's optimizer locally and meets the shards every H steps.
+
+    Args:
+        setup: The model, its worker and the run (see :class:`ClientSetup`).
+        transport: How calls reach the shards.
+
+    Raises:
+        TypeError: If the trainable parameters are not all of one floating dtype.
+    """
+
+    def __init__(self, setup: ClientSetup, transport: Transport) -> None:
+        super().__init__(setup, transport)
+        self._local_steps = setup.settings.local_steps
+        self._since_round = 0  # optimizer steps since the global parameters came in
+        self._steps = 0
+
+    @classmethod
+    def build(cls, setup: ClientSetup, transport: Transport) -> DilocoClient:
+        """The client of one prepared model (the mode table's constructor)."""
+        return cls(setup, transport)
+
+    @property
+    def next_step(self) -> int:
+        """The optimizer step the next update will complete."""
+        return self._steps + 1
+
+    def before_forward(self) -> None:
+        """Counts forward passes; the parameters change only at a round's end."""
+        ClientBase.before_forward(self)
+        self._forwards += 1
+
+    def after_step(self) -> None:
+        """Counts one local step; after the H-th, runs a round with the shards."""
+        self._steps += 1
+        self._since_round += 1
+        with self._lock:
+            self._stats.steps = self._steps
+        if self._since_round >= self._local_steps:
+            self._round()
+        self._export_metrics()
+
+    def flush(self) -> None:
+        """Sends the steps taken since the last round as a shorter round and installs
+        the result: afterwards the model holds the global parameters.
+
+        In synchronous rounds this is collective: the round is answered once every
+        worker has sent its own (at its next H-th step, its own ``flush()`` or the
+        end of its loop), so call it on every worker, as the final-checkpoint recipe
+        does (``flush()``, barrier, save on rank 0).
+        """
+        super().flush()
+        if self._since_round:
+            self._round()
+
+    def sync(self) -> None:
+        """Before ``state_dict()``: leaves the parameters as they are.
+
+        A checkpoint holds this worker's parameters: right after a round (every
+        ``local_steps`` steps, or after :meth:`flush`) those are the global ones;
+        between rounds they hold this worker's local steps since, which pulling the
+        shards' copy would throw away. No round is sent: ``state_dict()`` is often
+        called on one worker only.
+        """
+        self.raise_pending()
+
+    def reseed(self) -> None:
+        """Hands loaded parameters to the shards; the next round starts from them
+        (the local steps before the load are replaced by the loaded values)."""
+        self._since_round = 0
+        super().reseed()
+
+    def finish(self, clean: bool = True) -> None:
+        """Sends the steps taken since the last round (if the loop returned: a
+        failed loop sends nothing new), then releases the other workers."""
+        if not clean:
+            self._since_round = 0
+        super().finish(clean)
+
+    def _round(self) -> None:
+        """Pushes the change since the last global parameters; installs the new ones."""
+        self._since_round = 0
+        self._take_delta()
+        handles = self._push()
+        started = time.perf_counter()
+        replies = self._wait(handles, f"round {self._clock}")
+        with self._lock:
+            self._stats.wait_s += time.perf_counter() - started
+        self._install(replies, self._clock % 2)
+        gap = self._clock - self._stamp
+        self._gaps_sum += gap
+        self._samples += 1
+        with self._lock:
+            self._stats.staleness_max = max(self._stats.staleness_max, gap)
+            self._stats.staleness_mean = self._gaps_sum / self._samples
+
+    def _take_delta(self) -> None:
+        """``delta = params - global`` into the push buffers, per (parameter, shard)
+        piece; with ``nan_policy="raise"`` a non-finite change raises before the push.
+
+        Raises:
+            PSError: The change holds NaN or Inf (``nan_policy="raise"``).
+        """
+        host = self._host_params()
+        sums: list[torch.Tensor] = []
+        with torch.no_grad():
+            for pc in self._pieces:
+                n = pc.numel
+                delta = self._delta_parts[pc.shard][pc.s0 : pc.s0 + n]
+                base = self._base[pc.flat0 : pc.flat0 + n]
+                torch.sub(host[pc.param][pc.p0 : pc.p1], base, out=delta)
+                if self.guard.policy == "raise":
+                    sums.append(delta.sum(dtype=torch.float32))
+        if sums:
+            self.guard.check_update(self.next_step - 1, all_finite(torch.stack(sums)))

@@ -1,0 +1,294 @@
+"""DiLoCo: the outer optimizer's maths, and DilocoClient against real DilocoShards
+on a fake transport (no Ray)."""
+
+import threading
+
+import pytest
+import torch
+
+from ray_ps_plugin._param.diloco_client import DilocoClient
+from ray_ps_plugin._param.diloco_shard import DilocoShard
+from ray_ps_plugin._param.outer import OuterState
+from ray_ps_plugin._types import outer_learning_rate, staleness_bound
+from ray_ps_plugin.config import PSConfig
+from tests.unit.fakes import FakeTransport, LoopThread, Settings, setup_for
+
+
+@pytest.fixture
+def loop():
+    lt = LoopThread()
+    yield lt
+    lt.stop()
+
+
+# --- the outer optimizer ------------------------------------------------------------
+def _rounds_of_changes(world, rounds, numel=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(numel, generator=g) for _ in range(world)] for _ in range(rounds)]
+
+
+def test_nesterov_rounds_are_torch_sgd_nesterov_on_the_pseudo_gradient():
+    world, lr, mu = 3, 0.7, 0.9
+    start = torch.randn(6)
+    outer = OuterState(6, "nesterov", lr, mu, world)
+    params = start.clone()
+    ref = start.clone().requires_grad_(True)
+    opt = torch.optim.SGD([ref], lr=lr, momentum=mu, nesterov=True)
+    for k, changes in enumerate(_rounds_of_changes(world, 4)):
+        for c in changes:
+            outer.add(c, k + 1)
+        outer.close_round(params)
+        ref.grad = -torch.stack(changes).mean(0)  # DiLoCo's pseudo-gradient
+        opt.step()
+    torch.testing.assert_close(params, ref.detach(), rtol=1e-6, atol=1e-6)
+    assert outer.rounds == 4 and outer.pending == 0
+
+
+def test_average_with_lr_one_is_the_mean_of_the_workers_parameters():
+    outer = OuterState(6, "average", 1.0, 0.0, 2)
+    params = torch.zeros(6)
+    a, b = torch.randn(6), torch.randn(6)
+    outer.add(a, 1)
+    outer.add(b, 1)
+    outer.close_round(params)
+    torch.testing.assert_close(params, (a + b) / 2)
+
+
+@pytest.mark.parametrize("kind", ["nesterov", "average"])
+def test_async_arrivals_of_whole_rounds_equal_synchronous_rounds(kind):
+    """Delayed momentum: W arrivals that are one round of every worker give exactly
+    the synchronous step."""
+    world = 3
+    sync_outer = OuterState(6, kind, 0.7, 0.9, world)
+    async_outer = OuterState(6, kind, 0.7, 0.9, world)
+    sync_params, async_params = torch.zeros(6), torch.zeros(6)
+    for k, changes in enumerate(_rounds_of_changes(world, 5)):
+        for c in changes:
+            sync_outer.add(c, k + 1)
+            async_outer.apply_arrival(async_params, c)
+        sync_outer.close_round(sync_params)
+    torch.testing.assert_close(async_params, sync_params, rtol=1e-5, atol=1e-6)
+
+
+def test_a_bf16_slice_keeps_an_fp32_momentum():
+    outer = OuterState(4, "nesterov", 0.7, 0.9, 1)
+    params = torch.zeros(4)  # the shard's fp32 master of a bf16 model
+    outer.add(torch.full((4,), 1e-3, dtype=torch.bfloat16).float(), 1)
+    outer.close_round(params)
+    assert outer._m is not None and outer._m.dtype == torch.float32
+    assert params[0].item() == pytest.approx(0.7 * 1.9e-3, rel=1e-2)
+
+
+# --- config ---------------------------------------------------------------------------
+def test_diloco_defaults_are_the_papers():
+    cfg = PSConfig(mode="diloco")
+    assert (cfg.local_steps, cfg.outer_optimizer, cfg.outer_momentum) == (32, "nesterov", 0.9)
+    assert outer_learning_rate(cfg) == 0.7
+    assert outer_learning_rate(PSConfig(mode="diloco", outer_optimizer="average")) == 1.0
+    assert staleness_bound(cfg) == 0
+    assert staleness_bound(PSConfig(mode="diloco", diloco_rounds="async", staleness=2)) == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (
+            {"mode": "sync", "local_steps": 8},
+            ValueError,
+            "local_steps=8 only applies",
+        ),
+        ({"mode": "async", "outer_lr": 0.5}, ValueError, "outer_lr=0.5 only applies"),
+        ({"mode": "diloco", "local_steps": 0}, ValueError, "local_steps must be >= 1"),
+        ({"mode": "diloco", "local_steps": 2.0}, TypeError, "local_steps must be an int"),
+        ({"mode": "diloco", "outer_optimizer": "adam"}, ValueError, "outer_optimizer='adam'"),
+        ({"mode": "diloco", "outer_lr": -1}, ValueError, "outer_lr must be a finite number > 0"),
+        (
+            {"mode": "diloco", "outer_momentum": 1.0},
+            ValueError,
+            r"outer_momentum must be in \[0",
+        ),
+        ({"mode": "diloco", "diloco_rounds": "async"}, ValueError, "needs staleness >= 1"),
+        ({"mode": "diloco", "staleness": 1}, ValueError, "diloco_rounds='async'"),
+    ],
+)
+def test_bad_diloco_fields_are_refused_with_the_fix(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        PSConfig(**kwargs)
+
+
+# --- client and shards ----------------------------------------------------------------
+def _models(world, seed=0):
+    torch.manual_seed(seed)
+    template = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    models = []
+    for _ in range(world):
+        m = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+        m.load_state_dict(template.state_dict())  # identical start, as after DDP's broadcast
+        models.append(m)
+    return models
+
+
+def _setup(loop, world, shards, *, shared, staleness=0, **outer):
+    settings = Settings(mode="diloco", staleness=staleness, **outer)
+    if staleness:
+        settings.diloco_rounds = "async"
+    args = (
+        staleness_bound(settings),
+        5.0,
+        None,
+        settings.outer_optimizer,
+        outer_learning_rate(settings),
+        settings.outer_momentum,
+    )
+    servers = [DilocoShard(i, world, *args) for i in range(shards)]
+    transport = FakeTransport(loop, servers)
+    models = _models(world)
+    clients = [
+        DilocoClient.build(
+            setup_for(m, r, world, shards, settings, local=range(shards) if shared else ()),
+            transport,
+        )
+        for r, m in enumerate(models)
+    ]
+    for c in clients:
+        c._start()
+    return servers, models, clients
+
+
+def _step(model, opt, client, x, y):
+    client.before_forward()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    client.before_step()
+    opt.step()
+    client.after_step()
+
+
+def _run_workers(models, clients, opts, data, finish=True):
+    """Each worker in its own thread takes its steps (``data[rank]``), then finishes."""
+    errors = []
+
+    def run(rank):
+        try:
+            for x, y in data[rank]:
+                _step(models[rank], opts[rank], clients[rank], x, y)
+            if finish:
+                clients[rank].finish()
+        except Exception as e:  # reported below, not lost in the thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(models))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+
+
+def _flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _data(world, steps, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        [(torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g)) for _ in range(steps)]
+        for _ in range(world)
+    ]
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["object-store", "shared-memory"])
+def test_one_local_step_with_plain_averaging_is_synchronous_sgd(loop, shared):
+    world, steps, lr = 2, 5, 0.1
+    _, models, clients = _setup(
+        loop, world, shards=2, shared=shared, local_steps=1, outer_optimizer="average"
+    )
+    opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in models]
+    data = _data(world, steps)
+    _run_workers(models, clients, opts, data)
+    reference = _models(1)[0]
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=lr)
+    for step in range(steps):  # DDP: the mean of the workers' gradients
+        ref_opt.zero_grad()
+        for rank in range(world):
+            x, y = data[rank][step]
+            (torch.nn.functional.mse_loss(reference(x), y) / world).backward()
+        ref_opt.step()
+    for m in models:
+        torch.testing.assert_close(_flat(m), _flat(reference), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["object-store", "shared-memory"])
+def test_rounds_of_local_adam_steps_follow_the_outer_nesterov_step(loop, shared):
+    """H = 3 local Adam steps per round, 7 steps (two rounds and a shorter last one
+    sent at finish): every worker ends on the global parameters that the rounds,
+    computed here by hand, give."""
+    world, steps, h = 2, 7, 3
+    _, models, clients = _setup(loop, world, shards=3, shared=shared, local_steps=h)
+    opts = [torch.optim.Adam(m.parameters(), lr=0.01) for m in models]
+    data = _data(world, steps)
+    _run_workers(models, clients, opts, data)
+    # By hand: each worker's own Adam keeps its state across rounds.
+    replicas = _models(world)
+    ref_opts = [torch.optim.Adam(m.parameters(), lr=0.01) for m in replicas]
+    global_params = _flat(replicas[0]).clone()
+    outer = OuterState(global_params.numel(), "nesterov", 0.7, 0.9, world)
+    for k, lo in enumerate(range(0, steps, h)):
+        for rank, m in enumerate(replicas):
+            # (vector_to_parameters would make the parameters views of global_params)
+            torch.nn.utils.vector_to_parameters(global_params.clone(), m.parameters())
+            for x, y in data[rank][lo : lo + h]:
+                ref_opts[rank].zero_grad()
+                torch.nn.functional.mse_loss(m(x), y).backward()
+                ref_opts[rank].step()
+            outer.add(_flat(m) - global_params, k + 1)
+        outer.close_round(global_params)
+    for m in models:
+        torch.testing.assert_close(_flat(m), global_params, rtol=0, atol=1e-5)
+    stats = clients[0].snapshot()
+    assert stats.steps == 7 and stats.clock == 3  # 3 rounds: steps 3, 6 and 7
+
+
+def test_a_finished_worker_does_not_hold_a_round_back(loop):
+    """Rank 1 stops after one round; rank 0's later rounds apply its change alone."""
+    world, h = 2, 2
+    servers, models, clients = _setup(
+        loop, world, shards=1, shared=False, local_steps=h, outer_optimizer="average"
+    )
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    data = _data(world, 6)
+    data[1] = data[1][:2]
+    _run_workers(models, clients, opts, data)
+    assert clients[0].snapshot().clock == 3 and clients[1].snapshot().clock == 1
+    assert servers[0].stats()["rounds"] == {0: 3}
+
+
+def test_asynchronous_rounds_let_a_worker_run_ahead_within_the_bound(loop):
+    """Staleness 1: rank 0's round 1 is answered at once (no wait for rank 1), its
+    round 2 only once rank 1 has sent round 1."""
+    servers, models, clients = _setup(loop, 2, shards=1, shared=True, staleness=1, local_steps=1)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
+    data = _data(2, 2)
+    _step(models[0], opts[0], clients[0], *data[0][0])
+    assert clients[0].snapshot().clock == 1  # round 1 done alone: it ran ahead
+    fast = threading.Thread(target=_step, args=(models[0], opts[0], clients[0], *data[0][1]))
+    fast.start()
+    fast.join(0.5)
+    assert fast.is_alive(), "round 2 must wait for rank 1's round 1"
+    _step(models[1], opts[1], clients[1], *data[1][0])
+    fast.join(10)
+    assert not fast.is_alive() and clients[0].snapshot().clock == 2
+    assert servers[0].stats()["max_read_gap"] == 1
+
+
+def test_a_checkpoint_between_rounds_keeps_the_local_steps(loop):
+    _, models, clients = _setup(loop, 1, shards=1, shared=False, local_steps=4)
+    clients[0].bind(None)
+    opt = torch.optim.SGD(models[0].parameters(), lr=0.1)
+    for x, y in _data(1, 2)[0]:
+        _step(models[0], opt, clients[0], x, y)
+    before = _flat(models[0]).clone()
+    models[0].state_dict()  # its pre-hook must not pull the older global parameters
+    torch.testing.assert_close(_flat(models[0]), before, rtol=0, atol=0)
+    assert clients[0].snapshot().clock == 0
