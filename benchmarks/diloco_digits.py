@@ -154,8 +154,8 @@ def main() -> None:
         for seed in range(args.seeds):
             for name in names:
                 curves[name].append(run(name, seed, args, storage))
-                last = curves[name][-1][-1]
-                print(f"seed {seed} {name}: accuracy {last[2]:.3f} after {last[1]:.1f} s", flush=True)
+                _, wall, acc = curves[name][-1][-1]
+                print(f"seed {seed} {name}: accuracy {acc:.3f} after {wall:.1f} s", flush=True)
     ray.shutdown()
 
     def final(name: str) -> float:
@@ -199,8 +199,9 @@ def _plot(curves: dict[str, list[list[list[float]]]], args: argparse.Namespace) 
         seed0 = runs[0]
         samples = [s * args.batch * 2 for s, _, _ in seed0]
         style = "--" if "straggler" in name else "-"
-        by_samples.plot(samples, [a for *_, a in seed0], style, marker=".", label=name)
-        by_time.plot([t for _, t, _ in seed0], [a for *_, a in seed0], style, marker=".", label=name)
+        acc = [a for *_, a in seed0]
+        by_samples.plot(samples, acc, style, marker=".", label=name)
+        by_time.plot([t for _, t, _ in seed0], acc, style, marker=".", label=name)
     by_samples.set_xlabel("samples (both workers)")
     by_time.set_xlabel("wall time (s)")
     for ax in (by_samples, by_time):

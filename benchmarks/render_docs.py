@@ -533,6 +533,7 @@ NET_LABELS = {
     "ps_sync_worker": 'PS sync, `server_placement="worker"`',
     # Measured before the switch that produced it was removed (the earlier design).
     "ps_sync_raycall": "PS sync, shared-memory notices as Ray calls (earlier design)",
+    **{f"ps_diloco_h{h}": f"PS DiLoCo, `local_steps={h}`" for h in (1, 8, 32, 128)},
     "compute": "compute only (no synchronisation)",
 }
 NET_BASES = {"ddp": "DDP", "ddp_bf16": "DDP + bf16 hook"}
@@ -861,6 +862,42 @@ def chaos_table() -> str:
     )
 
 
+# --- DiLoCo (benchmarks/diloco_digits.py, and the diloco variants of net_step_time) ----
+def diloco_digits_table() -> str:
+    """Final digits accuracy (mean over seeds) and wall time of every variant."""
+    d = _json("diloco_digits")
+    below = d["points_below_ddp"]
+    rows = [
+        [
+            f"`{v}`",
+            f"{acc:.3f}",
+            "n/a" if v not in below else f"{below[v]:+.1f}",
+            f"{d['wall_s'][v]:.1f}",
+        ]
+        for v, acc in d["final_accuracy"].items()
+    ]
+    header = [
+        "variant",
+        f"final test accuracy (rank 0, mean of {d['args']['seeds']} seeds)",
+        "points below DDP (with the straggler: below DDP with it)",
+        "wall time (s)",
+    ]
+    return _provenance("diloco_digits", "diloco_digits", "diloco_digits.json") + (
+        "\n\n" + _table(header, rows)
+    )
+
+
+def diloco_points(variant: str) -> str:
+    """Points of final digits accuracy a variant lies below DDP's, e.g. ``0.3``."""
+    return f"{_json('diloco_digits')['points_below_ddp'][variant]:.1f}"
+
+
+def net_bytes_fraction(variant: str, result: str) -> str:
+    """Rank 0's link bytes per step of ``variant`` as a fraction of DDP's, e.g. ``1/37``."""
+    mb = _json(result)["rank0_link_mb_per_step"]
+    return f"1/{mb['ddp'] / mb[variant]:.0f}"
+
+
 # --- the markers -----------------------------------------------------------------------
 RENDERERS: dict[str, Callable[..., str]] = {
     f.__name__: f
@@ -902,6 +939,9 @@ RENDERERS: dict[str, Callable[..., str]] = {
         wire_server_table,
         wire_loop_cpu,
         chaos_table,
+        diloco_digits_table,
+        diloco_points,
+        net_bytes_fraction,
     )
 }
 

@@ -13,11 +13,14 @@ with 11 M parameters, not to learn).
 
     python examples/tune_sweep.py                        # ddp/sync, ps/sync x 2 lrs
     python examples/tune_sweep.py --modes sync,async,ssp # compare the PS modes
+    python examples/tune_sweep.py --modes sync,diloco --local-steps 8,32 --outer-lrs 0.7,1.0
     python examples/tune_sweep.py --model resnet18 --lrs 0.01 --plot resnet.png
 
-DDP has only one mode, so it runs once per lr whatever ``--modes`` lists. Prints a
-ranked table and saves accuracy against training wall time, one colour per strategy,
-to ``--plot``.
+DDP has only one mode, so it runs once per lr whatever ``--modes`` lists;
+``diloco`` runs once per (``--local-steps``, ``--outer-lrs``) pair. Prints a ranked
+table and saves accuracy against training wall time, one colour per strategy, to
+``--plot``. (A DiLoCo worker's accuracy between rounds is that of its own copy; the
+last epoch's is taken after ``flush()`` has sent the last round.)
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import math
 import os
 import tempfile
 import time
+from collections.abc import Sequence
 from typing import Any
 
 # Each ray.train.report waits for the controller's next poll (2 s by default); this
@@ -41,7 +45,7 @@ import torch.nn as nn
 from ray import tune
 from ray.train import ScalingConfig
 
-from ray_ps_plugin import PSConfig
+from ray_ps_plugin import PSConfig, get_ps_context
 from ray_ps_plugin.tune import make_trainable
 
 
@@ -120,6 +124,12 @@ def train_loop(config: dict[str, Any]) -> None:
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
+        last = epoch + 1 == config["epochs"]
+        ps = get_ps_context()
+        if last and ps is not None:
+            # Every update of this worker reaches the shards before the final
+            # checkpoint (async/ssp: the last push; diloco: the last, shorter round).
+            ps.flush()
         train_s += time.perf_counter() - start
         metrics = {
             "epoch": epoch + 1,
@@ -127,7 +137,6 @@ def train_loop(config: dict[str, Any]) -> None:
             "accuracy": evaluate(model, test_loader),
             "train_s": train_s,
         }
-        last = epoch + 1 == config["epochs"]
         with tempfile.TemporaryDirectory() as d:
             checkpoint = None
             if last and rank == 0:
@@ -138,30 +147,51 @@ def train_loop(config: dict[str, Any]) -> None:
 
 # --- the sweep ------------------------------------------------------------------------
 def strategy_mode_pairs(
-    strategies: list[str], modes: list[str], staleness: int
+    strategies: list[str],
+    modes: list[str],
+    staleness: int,
+    local_steps: Sequence[int] = (32,),
+    outer_lrs: Sequence[float] = (0.7,),
 ) -> list[dict[str, Any]]:
-    """One ps_config per (strategy, mode) pair; DDP only once, it has no modes."""
+    """One ps_config per (strategy, mode) pair; DDP only once, it has no modes;
+    ``diloco`` once per (local steps, outer learning rate)."""
     pairs: list[dict[str, Any]] = []
     for strategy in strategies:
         for mode in modes if strategy == "ps" else ["sync"]:
-            pair: dict[str, Any] = {"strategy": strategy, "mode": mode}
+            base: dict[str, Any] = {"strategy": strategy, "mode": mode}
             if mode == "ssp":
-                pair["staleness"] = staleness
-            # Fail here, before Ray starts, for a mode this version does not have.
-            PSConfig(**pair)
-            pairs.append(pair)
+                base["staleness"] = staleness
+            variants = [base]
+            if mode == "diloco":
+                variants = [
+                    {**base, "local_steps": h, "outer_lr": lr}
+                    for h in local_steps
+                    for lr in outer_lrs
+                ]
+            for pair in variants:
+                # Fail here, before Ray starts, for a mode this version does not have.
+                PSConfig(**pair)
+                pairs.append(pair)
     return pairs
+
+
+def describe(pair: dict[str, Any]) -> str:
+    """``ps/diloco H=32 olr=0.7``, ``ddp/sync``: a trial's strategy and mode."""
+    text = f"{pair['strategy']}/{pair['mode']}"
+    if pair["mode"] == "diloco":
+        text += f" H={pair['local_steps']} olr={pair['outer_lr']:g}"
+    return text
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(
         f"\n{'rank':>4} {'accuracy':>8} {'train s':>8} {'trial s':>8}  "
-        f"{'strategy':<8} {'mode':<6} {'lr':>7}"
+        f"{'lr':>7}  {'strategy/mode':<26}"
     )
     for i, r in enumerate(rows, 1):
         print(
             f"{i:>4} {r['accuracy']:>8.4f} {r['train_s']:>8.2f} {r['trial_s']:>8.1f}  "
-            f"{r['strategy']:<8} {r['mode']:<6} {r['lr']:>7g}"
+            f"{r['lr']:>7g}  {r['trial']:<26}"
         )
 
 
@@ -172,7 +202,7 @@ def plot(results: tune.ResultGrid, path: str) -> None:
     import matplotlib.pyplot as plt
 
     colours = {"ddp": "tab:blue", "ps": "tab:orange"}
-    styles = {"sync": "-", "async": "--", "ssp": ":"}
+    styles = {"sync": "-", "async": "--", "ssp": ":", "diloco": "-."}
     lrs = sorted({r.config["lr"] for r in results})
     markers = dict(zip(lrs, "osD^v<>p*"))
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -186,7 +216,7 @@ def plot(results: tune.ResultGrid, path: str) -> None:
             marker=markers.get(r.config["lr"], "o"),
             color=colours.get(pair["strategy"], "tab:gray"),
             linestyle=styles.get(pair["mode"], "-"),
-            label=f"{pair['strategy']}/{pair['mode']} lr={r.config['lr']:g}",
+            label=f"{describe(pair)} lr={r.config['lr']:g}",
         )
     ax.set_xlabel("training wall time (s)")
     ax.set_ylabel("test accuracy")
@@ -206,8 +236,12 @@ def main() -> None:
     parser.add_argument(
         "--modes",
         default="sync",
-        help="comma-separated PS modes: sync (default), async, ssp. DDP has one "
-        "mode and runs once per lr whatever this lists.",
+        help="comma-separated PS modes: sync (default), async, ssp, diloco. DDP has "
+        "one mode and runs once per lr whatever this lists.",
+    )
+    parser.add_argument("--local-steps", default="32", help="comma-separated H of diloco trials")
+    parser.add_argument(
+        "--outer-lrs", default="0.7", help="comma-separated outer learning rates of diloco trials"
     )
     parser.add_argument("--staleness", type=int, default=1, help="staleness of ssp trials")
     parser.add_argument("--lrs", default="0.05,0.2", help="comma-separated learning rates")
@@ -242,7 +276,13 @@ def main() -> None:
     parser.add_argument("--plot", default="tune_sweep.png", help="where to save the PNG")
     args = parser.parse_args()
 
-    pairs = strategy_mode_pairs(args.strategies.split(","), args.modes.split(","), args.staleness)
+    pairs = strategy_mode_pairs(
+        args.strategies.split(","),
+        args.modes.split(","),
+        args.staleness,
+        [int(v) for v in args.local_steps.split(",")],
+        [float(v) for v in args.outer_lrs.split(",")],
+    )
     lrs = [float(v) for v in args.lrs.split(",")]
 
     ray.init(log_to_driver=False)
@@ -286,7 +326,7 @@ def main() -> None:
             continue
         rows.append(
             {
-                **r.config["ps_config"],
+                "trial": describe(r.config["ps_config"]),
                 "lr": r.config["lr"],
                 "accuracy": r.metrics["accuracy"],
                 "train_s": r.metrics["train_s"],
