@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: demo test lint bench package-check clean
+.PHONY: demo test lint docs bench package-check clean
 
 # The runtime dependencies only: what a user installs, and all the demo needs.
 $(VENV)/.runtime: pyproject.toml
@@ -21,12 +21,20 @@ demo: $(VENV)/.runtime
 	$(PY) examples/quickstart.py
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check ray_ps_plugin tests benchmarks examples
 	$(VENV)/bin/ruff format --check ray_ps_plugin tests benchmarks examples
 	$(VENV)/bin/mypy
+
+# The docs site as MkDocs builds it; --strict fails on broken links and anchors.
+$(VENV)/.docs: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[docs]"
+	touch $@
+
+docs: $(VENV)/.docs
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -d $(VENV)/site
 
 package-check: $(VENV)/.installed
 	bash .ci/package_check

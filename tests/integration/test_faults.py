@@ -299,14 +299,20 @@ def test_preemption_checkpoints_the_shards_and_resumes_losing_at_most_one_step(
     _no_leaks()
 
 
-def test_async_restart_seeds_the_servers_from_the_checkpoint(tmp_path):
-    result = _fit(
-        tmp_path, "async_worker_dies", retries=1, fail_rank=1, fail_step=12, ps={"mode": "async"}
-    )
+@pytest.mark.parametrize(
+    "ps",
+    # DiLoCo: a round every 4 steps, and the loop's flush() before every checkpoint
+    # (each 5 steps) sends a shorter one on every worker.
+    [{"mode": "async"}, {"mode": "diloco", "local_steps": 4}],
+    ids=["async", "diloco"],
+)
+def test_stale_mode_restart_seeds_the_servers_from_the_checkpoint(tmp_path, ps):
+    name = f"{ps['mode']}_worker_dies"
+    result = _fit(tmp_path, name, retries=1, fail_rank=1, fail_step=12, ps=ps)
     m = result.metrics
     assert m["step"] == STEPS and m["start"] > 0
     # Rank 1 (which did not seed them) read the restarted shards: exactly the checkpoint.
-    probe = tmp_path / "markers-async_worker_dies" / "restored_server_vs_checkpoint"
+    probe = tmp_path / f"markers-{name}" / "restored_server_vs_checkpoint"
     assert float(probe.read_text()) == 0.0
     _no_leaks()
 

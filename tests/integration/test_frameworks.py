@@ -2,10 +2,10 @@
 
 Neither loop names the plugin (tests/integration/frameworks.py): each framework builds
 its own DistributedDataParallel, and under strategy="ps" that DDP is the servers'.
-One Tune sweep runs every framework once per (strategy, mode): DDP, sync, async, and
-SSP with staleness 0; every claim below reads that sweep's trials (a trial is an
+One Tune sweep runs every framework once per (strategy, mode): DDP, sync, async,
+SSP with staleness 0 and DiLoCo; every claim below reads that sweep's trials (a trial is an
 ordinary PSTrainer run, started by ray_ps_plugin.tune.make_trainable). A trial runs
-both frameworks, one after the other, in its one Train run: 4 trials, not 8 (a
+both frameworks, one after the other, in its one Train run: 5 trials, not 10 (a
 trial's start-up costs more than its training); each framework's metrics and
 parameters are reported under its name.
 
@@ -46,6 +46,8 @@ CONFIGS = {
     # Bulk-synchronous SSP: every worker reads parameters holding all updates of the
     # previous step, so for an optimizer linear in the gradients it is DDP's maths.
     "ssp": {"strategy": "ps", "mode": "ssp", "staleness": 0},
+    # A round every 4 steps: several rounds within each framework's steps.
+    "diloco": {"strategy": "ps", "mode": "diloco", "local_steps": 4},
 }
 # In this order in every trial: Lightning's deterministic=True switches torch to
 # deterministic algorithms for the rest of the process.
@@ -67,7 +69,7 @@ def _name(cfg):
 
 @pytest.fixture(scope="module")
 def sweep(ray_cluster, tmp_path_factory):
-    """(strategy, mode): 4 trials, each one Train run of 2 workers training both
+    """(strategy, mode): 5 trials, each one Train run of 2 workers training both
     frameworks; by (framework, mode)."""
     storage = str(tmp_path_factory.mktemp("frameworks") / "ray_results")
     trainable = make_trainable(
@@ -128,7 +130,7 @@ def test_sweep_ran_every_framework_once_per_strategy_and_mode(sweep):
 def test_framework_ddp_is_the_servers_under_ps(sweep, framework):
     """The DDP the framework built is a PSDistributedDataParallel, and it pushed."""
     assert sweep[framework, "ddp"].metrics["wrapper"] == "DistributedDataParallel"
-    for name in ("sync", "async", "ssp"):
+    for name in ("sync", "async", "ssp", "diloco"):
         m = sweep[framework, name].metrics
         assert m["wrapper"] == "PSDistributedDataParallel", (name, m)
         assert m["ps_mode"] == name and m["ps_num_models"] == 1
@@ -182,8 +184,8 @@ def test_lightning_closure_step_skips_a_nan_step_before_it_is_applied(ray_cluste
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
-@pytest.mark.parametrize("mode", ["async", "ssp"])
-def test_async_and_ssp_train_and_stay_finite(sweep, framework, mode):
+@pytest.mark.parametrize("mode", ["async", "ssp", "diloco"])
+def test_stale_modes_train_and_stay_finite(sweep, framework, mode):
     m, ddp = sweep[framework, mode].metrics, sweep[framework, "ddp"].metrics
     assert m["finite"] and all(
         torch.isfinite(v).all() for v in _state(sweep[framework, mode]).values()

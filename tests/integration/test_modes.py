@@ -167,7 +167,9 @@ def test_diloco_with_one_local_step_and_plain_averaging_is_sync_maths(runs):
     assert runs["diloco_h1_average"].metrics["ps"]["clock"] == 95  # a round per step
 
 
-@pytest.mark.parametrize(("name", "points"), [("diloco_h32", 0.01), ("diloco_async_straggler", 0.02)])
+@pytest.mark.parametrize(
+    ("name", "points"), [("diloco_h32", 0.01), ("diloco_async_straggler", 0.02)]
+)
 def test_diloco_reaches_sync_accuracy(runs, name, points):
     m, ref = runs[name].metrics, runs["sync_sgd"].metrics
     assert m["accuracy"] >= ref["accuracy"] - points, (m["accuracy"], ref["accuracy"])

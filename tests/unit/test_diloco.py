@@ -128,14 +128,14 @@ def _models(world, seed=0):
     return models
 
 
-def _setup(loop, world, shards, *, shared, staleness=0, **outer):
-    settings = Settings(mode="diloco", staleness=staleness, **outer)
+def _setup(loop, world, shards, *, shared, staleness=0, compression=None, **outer):
+    settings = Settings(mode="diloco", staleness=staleness, compression=compression, **outer)
     if staleness:
         settings.diloco_rounds = "async"
     args = (
         staleness_bound(settings),
         5.0,
-        None,
+        compression,
         settings.outer_optimizer,
         outer_learning_rate(settings),
         settings.outer_momentum,
@@ -248,6 +248,20 @@ def test_rounds_of_local_adam_steps_follow_the_outer_nesterov_step(loop, shared)
         torch.testing.assert_close(_flat(m), global_params, rtol=0, atol=1e-5)
     stats = clients[0].snapshot()
     assert stats.steps == 7 and stats.clock == 3  # 3 rounds: steps 3, 6 and 7
+
+
+def test_bf16_compression_halves_a_rounds_bytes_and_keeps_the_result_close(loop):
+    results, sent = {}, {}
+    for compression in (None, "bf16"):
+        _, models, clients = _setup(
+            loop, 2, shards=2, shared=False, compression=compression, local_steps=2
+        )
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+        _run_workers(models, clients, opts, _data(2, 4))
+        results[compression] = _flat(models[0])
+        sent[compression] = clients[0].snapshot().bytes_pushed
+    assert sent["bf16"] * 2 == sent[None]
+    torch.testing.assert_close(results["bf16"], results[None], rtol=0, atol=2e-2)
 
 
 def test_a_finished_worker_does_not_hold_a_round_back(loop):
