@@ -61,6 +61,9 @@ class Codec:
         if compression not in _WIRE:
             raise ValueError(f"unknown compression {compression!r}")
         self.compression = compression
+        # Model dtype -> whether it converts: asked per chunk on the shards' hot
+        # path, and a model has one or two dtypes.
+        self._converts: dict[str, bool] = {}
 
     @property
     def wire_dtype(self) -> torch.dtype:
@@ -81,7 +84,10 @@ class Codec:
 
     def converts(self, dtype: str) -> bool:
         """Whether the wire format differs from the dtype shards compute in."""
-        return self.wire_np_dtype(dtype) != np.dtype(widened(dtype))
+        known = self._converts.get(dtype)
+        if known is None:
+            known = self._converts[dtype] = self.wire_np_dtype(dtype) != np.dtype(widened(dtype))
+        return known
 
     def encode(self, t: torch.Tensor) -> np.ndarray:
         """A host array of ``t`` in the wire format (a view when nothing changes)."""

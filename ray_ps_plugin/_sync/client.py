@@ -70,6 +70,15 @@ class _Pending:
     in_place: int | None = None
 
 
+@dataclass
+class _Received:
+    """What a bucket's returned calls brought: bytes, cross-node bytes, finiteness."""
+
+    nbytes: int = 0
+    cross: int = 0
+    finite: bool = True
+
+
 class SumClient(ClientBase):
     """Routes one prepared model's DDP gradient buckets through the shards.
 
@@ -407,67 +416,89 @@ class SumClient(ClientBase):
         calls: dict[int, list[int]] = {}  # one entry per distinct call, in order
         for i, h in enumerate(item.handles):
             calls.setdefault(id(h), []).append(i)
-        deadline = time.monotonic() + self.settings.ps_timeout_s
-        nbytes = cross = 0
-        finite = True
-        bucket = item.bucket
-        dtype = _np_dtype(bucket)
-        held = storage(dtype)
-        wire_dtype = self._codec.wire_np_dtype(dtype)
         groups = list(calls.values())
+        deadline = time.monotonic() + self.settings.ps_timeout_s
+        got = _Received()
         for k, indices in enumerate(groups):
-            target = targets[indices[0]]
-            try:
-                (result,) = self._transport.wait(
-                    [item.handles[indices[0]]], max(0.0, deadline - time.monotonic())
-                )
-            except Exception:
-                # Name the culprit among every call still outstanding (a stuck shard
-                # may be a later one that this call's shard waits for), with the
-                # bucket's one bound.
-                rest = [g[0] for g in groups[k:]]
-                (result, *_) = wait_all(
-                    self._transport,
-                    [item.handles[i] for i in rest],
-                    [targets[i] for i in rest],
-                    self.settings.ps_timeout_s,
-                    self._where(item),
-                    deadline,
-                )
-            lane = self._lanes.get(target)
-            for i in indices:
-                p = item.pieces[i]
-                if lane is not None and item.in_place is not None:
-                    nbytes += p.numel * bucket.element_size()  # DDP reads it in place
-                    continue
-                if lane is not None:
-                    r = lane.outputs[item.step % 2].view(p.key - lane.lo, held, p.numel)
-                    bucket[p.start : p.stop].copy_(as_torch(r))
-                else:
-                    r = result.view(wire_dtype) if result.dtype == np.uint8 else result
-                    bucket[p.start : p.stop].copy_(self._codec.decode(r, bucket.dtype))
-                if self.guard.policy != "ignore" and finite:
-                    finite = all_finite(bucket[p.start : p.stop])
-                nbytes += r.nbytes
-                if target in self.remote_shards:
-                    cross += r.nbytes
-        if item.in_place is not None:
-            # The shard writes this parity's segment again only for step + 2, which
-            # no worker pushes before every worker's DDP has read this sum.
-            lane = self._lanes[item.in_place]
-            first = item.pieces[0]
-            view = lane.outputs[item.step % 2].view(first.key - lane.lo, held, bucket.numel())
-            bucket = as_torch(view)
-            if self.guard.policy != "ignore":
-                finite = all_finite(bucket)
-        if not finite:
+            result = self._wait_call(item, groups[k:], targets, deadline)
+            self._take_sums(item, indices, targets[indices[0]], result, got)
+        bucket = item.bucket if item.in_place is None else self._in_place_sum(item, got)
+        if not got.finite:
             # Every worker holds the same sum, so every worker flags the same step.
             self.guard.flag(item.step)
         with self._lock:
-            self._stats.bytes_pulled += nbytes
-            self._stats.bytes_cross_node += cross
+            self._stats.bytes_pulled += got.nbytes
+            self._stats.bytes_cross_node += got.cross
             self._stats.last_sync_s = time.perf_counter() - item.started
         item.future.set_result(bucket)
+
+    def _wait_call(
+        self, item: _Pending, groups: list[list[int]], targets: list[int], deadline: float
+    ) -> Any:
+        """The result of the call of ``groups[0]`` (its pieces' indices), by ``deadline``.
+
+        On a timeout or failure the culprit is named among every call still
+        outstanding (a stuck shard may be a later one that this call's shard waits
+        for), within the bucket's one bound.
+        """
+        first = groups[0][0]
+        try:
+            (result,) = self._transport.wait(
+                [item.handles[first]], max(0.0, deadline - time.monotonic())
+            )
+        except Exception:
+            rest = [g[0] for g in groups]
+            (result, *_) = wait_all(
+                self._transport,
+                [item.handles[i] for i in rest],
+                [targets[i] for i in rest],
+                self.settings.ps_timeout_s,
+                self._where(item),
+                deadline,
+            )
+        return result
+
+    def _take_sums(
+        self, item: _Pending, indices: list[int], target: int, result: Any, got: _Received
+    ) -> None:
+        """Copies the sums of one returned call into the bucket (unless DDP reads
+        them in place) and counts and checks them."""
+        bucket = item.bucket
+        dtype = _np_dtype(bucket)
+        lane = self._lanes.get(target)
+        for i in indices:
+            p = item.pieces[i]
+            if lane is not None and item.in_place is not None:
+                got.nbytes += p.numel * bucket.element_size()  # DDP reads it in place
+                continue
+            if lane is not None:
+                r = lane.outputs[item.step % 2].view(p.key - lane.lo, storage(dtype), p.numel)
+                bucket[p.start : p.stop].copy_(as_torch(r))
+            else:
+                wire = self._codec.wire_np_dtype(dtype)
+                r = result.view(wire) if result.dtype == np.uint8 else result
+                bucket[p.start : p.stop].copy_(self._codec.decode(r, bucket.dtype))
+            if self.guard.policy != "ignore" and got.finite:
+                got.finite = all_finite(bucket[p.start : p.stop])
+            got.nbytes += r.nbytes
+            if target in self.remote_shards:
+                got.cross += r.nbytes
+
+    def _in_place_sum(self, item: _Pending, got: _Received) -> torch.Tensor:
+        """The bucket's sum as a view of the one shard's output segment (checked).
+
+        The shard writes this parity's segment again only for step + 2, which no
+        worker pushes before every worker's DDP has read this sum.
+        """
+        assert item.in_place is not None
+        lane = self._lanes[item.in_place]
+        first = item.pieces[0]
+        held = storage(_np_dtype(item.bucket))
+        view = lane.outputs[item.step % 2].view(first.key - lane.lo, held, item.bucket.numel())
+        bucket = as_torch(view)
+        if self.guard.policy != "ignore":
+            got.finite = all_finite(bucket)
+        return bucket
 
     @property
     def next_step(self) -> int:
