@@ -169,25 +169,60 @@ def _send_blocking(sock: socket.socket, frame: Frame, payload: np.ndarray | byte
 
 
 class _Sender:
-    """A connection's outgoing frames, sent in order by a thread of its own."""
+    """A connection's outgoing frames, sent in order by a thread of its own.
 
-    def __init__(self, sock: socket.socket, name: str) -> None:
-        self._sock = sock
+    The thread first calls ``connect`` (so whoever queues frames never waits for a
+    connection), then sends. Blocking ``sendall`` releases the GIL for the whole
+    transfer, so a frame in flight costs the queueing thread nothing.
+
+    Args:
+        connect: Returns the connected socket (or raises ``OSError``).
+        name: The thread's name.
+        on_error: Called with the ``OSError`` and whether it came from ``connect``;
+            ``None``: the peer went away, and its waits end there.
+        on_connected: Called with the socket once connected (before any send).
+    """
+
+    def __init__(
+        self,
+        connect: Callable[[], socket.socket],
+        name: str,
+        on_error: Callable[[OSError, bool], None] | None = None,
+        on_connected: Callable[[socket.socket], None] | None = None,
+    ) -> None:
+        self._connect = connect
+        self._on_error = on_error
+        self._on_connected = on_connected
         self._queue: queue.SimpleQueue[tuple[Frame, np.ndarray | bytes] | None] = (
             queue.SimpleQueue()
         )
-        threading.Thread(target=self._run, name=name, daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
 
     def put(self, frame: Frame, payload: np.ndarray | bytes) -> None:
         self._queue.put((frame, payload))
 
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
+        """Sends what is queued, then stops; waits up to ``timeout_s`` if given."""
         self._queue.put(None)
+        if timeout_s is not None:
+            self._thread.join(timeout_s)
 
     def _run(self) -> None:
-        with contextlib.suppress(OSError):  # the pusher went away; its waits end there
+        try:
+            sock = self._connect()
+        except OSError as e:
+            if self._on_error is not None:
+                self._on_error(e, True)
+            return
+        if self._on_connected is not None:
+            self._on_connected(sock)
+        try:
             while (item := self._queue.get()) is not None:
-                _send_blocking(self._sock, *item)
+                _send_blocking(sock, *item)
+        except OSError as e:
+            if self._on_error is not None:
+                self._on_error(e, False)
 
 
 class WireServer:
@@ -250,7 +285,7 @@ class WireServer:
     def _serve(self, conn: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
         # Pushes are read as they come and answered as their sums complete, in any
         # order; the sender thread keeps answers from interleaving on the stream.
-        sender = _Sender(conn, "ps-wire-answer")
+        sender = _Sender(lambda: conn, "ps-wire-answer")
         try:
             presented = bytearray(TOKEN_BYTES)
             conn.settimeout(self._token_timeout_s)
@@ -325,7 +360,6 @@ class _Stream:
         self.address = address
         self._token = token
         self._connect_timeout_s = connect_timeout_s
-        self._queue: queue.SimpleQueue[tuple[Frame, np.ndarray] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         # (model, step, key) -> the push's future and where its answer may land.
         self._waiting: dict[
@@ -333,10 +367,12 @@ class _Stream:
         ] = {}
         self._error: BaseException | None = None
         self._sock: socket.socket | None = None
-        self._sender = threading.Thread(
-            target=self._send_loop, name=f"ps-wire-send-{shard}", daemon=True
+        self._sender = _Sender(
+            self._connect,
+            f"ps-wire-send-{shard}",
+            on_error=self._send_failed,
+            on_connected=self._start_receiving,
         )
-        self._sender.start()
 
     def _where(self) -> str:
         return f"shard {self.shard} at {self.address[0]}:{self.address[1]}"
@@ -350,7 +386,7 @@ class _Stream:
                 fut.set_exception(self._error)
                 return fut
             self._waiting[(frame.model, frame.step, frame.key)] = (fut, into)
-        self._queue.put((frame, payload))
+        self._sender.put(frame, payload)
         return fut
 
     def _fail(self, error: BaseException) -> None:
@@ -362,29 +398,29 @@ class _Stream:
             if not fut.done():
                 fut.set_exception(self._error)
 
-    def _send_loop(self) -> None:
-        try:
-            sock = socket.create_connection(self.address, timeout=self._connect_timeout_s)
-            sock.sendall(self._token)
-        except OSError as e:
-            self._fail(
-                ConnectionError(
-                    f"cannot reach {self._where()} within {self._connect_timeout_s:g}s: {e}"
-                )
-            )
-            return
+    def _connect(self) -> socket.socket:
+        sock = socket.create_connection(self.address, timeout=self._connect_timeout_s)
+        sock.sendall(self._token)
         sock.settimeout(None)
         _tune(sock)
         sock.setblocking(True)
+        return sock
+
+    def _start_receiving(self, sock: socket.socket) -> None:
         self._sock = sock
         threading.Thread(
             target=self._recv_loop, args=(sock,), name=f"ps-wire-recv-{self.shard}", daemon=True
         ).start()
-        try:
-            while (item := self._queue.get()) is not None:
-                _send_blocking(sock, *item)
-        except OSError as e:
-            self._fail(ConnectionError(f"sending to {self._where()} failed: {e}"))
+
+    def _send_failed(self, error: OSError, connecting: bool) -> None:
+        if connecting:
+            self._fail(
+                ConnectionError(
+                    f"cannot reach {self._where()} within {self._connect_timeout_s:g}s: {error}"
+                )
+            )
+        else:
+            self._fail(ConnectionError(f"sending to {self._where()} failed: {error}"))
 
     def _recv_loop(self, sock: socket.socket) -> None:
         head = bytearray(_HEADER.size)
@@ -415,8 +451,7 @@ class _Stream:
             self._fail(ConnectionError(f"connection to {self._where()} lost: {e}"))
 
     def close(self, timeout_s: float) -> None:
-        self._queue.put(None)
-        self._sender.join(timeout_s)
+        self._sender.close(timeout_s)
         sock = self._sock
         if sock is not None:
             with contextlib.suppress(OSError):
