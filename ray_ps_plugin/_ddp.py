@@ -164,8 +164,12 @@ def attach(ddp: PSDistributedDataParallel) -> None:
     info = _runtime.current_run()
     spec = MODE_SPECS[info.settings.mode]
     setup = _runtime.client_setup(ddp.module, info)
-    transport = RayTransport(info.servers, info.settings.ps_timeout_s)
-    client = spec.build_client(setup, transport)
+
+    def open_transport() -> RayTransport:
+        direct = spec.direct_path(info.settings, info.topology) if spec.direct_path else None
+        return RayTransport(info.servers, info.settings.ps_timeout_s, direct)
+
+    client = spec.build_client(setup, _runtime.shared_transport(open_transport))
     ddp._ps_client = client
     ddp._ps_uses_reducer = spec.uses_reducer
     _runtime.register(client)

@@ -19,9 +19,9 @@ from ray_ps_plugin._param.shard import ParamShard
 from ray_ps_plugin._shard import ShardBase
 from ray_ps_plugin._sync.client import SumClient
 from ray_ps_plugin._sync.layout import SHARD_MAX_CONCURRENCY
-from ray_ps_plugin._sync.setup import connect_shards
+from ray_ps_plugin._sync.setup import connect_shards, open_direct_path
 from ray_ps_plugin._sync.shard import SumShard
-from ray_ps_plugin._transport import Transport
+from ray_ps_plugin._transport import DirectPath, Transport
 from ray_ps_plugin._types import Mode, RunSettings, outer_learning_rate, staleness_bound
 
 __all__ = ["MODE_SPECS", "ModeSpec"]
@@ -42,6 +42,8 @@ class ModeSpec:
             reaches every client as ``ClientSetup.topology``.
         max_concurrency: The shard actor's ``max_concurrency``: how many of its
             calls may be pending at once.
+        direct_path: Opens a worker process's direct path to the shards, given the
+            config and the start-up's topology (``None``: the mode has none).
     """
 
     shard_cls: type[ShardBase]
@@ -50,6 +52,7 @@ class ModeSpec:
     uses_reducer: bool
     connect: Callable[[Sequence[Any], Sequence[str], Sequence[str], RunSettings], Any] | None = None
     max_concurrency: int = 1000
+    direct_path: Callable[[RunSettings, Any], DirectPath | None] | None = None
 
 
 _SUM = ModeSpec(
@@ -59,6 +62,7 @@ _SUM = ModeSpec(
     uses_reducer=True,
     connect=connect_shards,
     max_concurrency=SHARD_MAX_CONCURRENCY,
+    direct_path=open_direct_path,
 )
 _PARAM = ModeSpec(
     shard_cls=ParamShard,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,7 @@ from torch.optim.optimizer import (
 from ray_ps_plugin._client import ClientBase, ClientSetup
 from ray_ps_plugin._metrics import WorkerMetrics
 from ray_ps_plugin._stats import PSStats
+from ray_ps_plugin._transport import Transport
 from ray_ps_plugin._types import Mode, RunSettings
 
 __all__ = [
@@ -114,6 +115,7 @@ class PSContext:
 # --- per-process registry -----------------------------------------------------------
 _RUN: RunInfo | None = None
 _CLIENTS: list[ClientBase] = []
+_TRANSPORT: Transport | None = None  # see shared_transport
 _OPTIMIZER_HOOKS: list[Any] = []
 
 
@@ -315,5 +317,20 @@ def finish_clients(raising: bool) -> None:
 
 
 def close_clients() -> None:
+    """Closes every client, then the transport they shared."""
+    global _TRANSPORT
     while _CLIENTS:
         _CLIENTS.pop().close()
+    transport, _TRANSPORT = _TRANSPORT, None
+    if transport is not None:
+        transport.close()
+
+
+def shared_transport(open_transport: Callable[[], Transport]) -> Transport:
+    """This process's transport to the shards (opened on first use by
+    ``open_transport``), shared by every model it prepares until the clients are
+    closed: one direct-path connection per shard, whatever the number of models."""
+    global _TRANSPORT
+    if _TRANSPORT is None:
+        _TRANSPORT = open_transport()
+    return _TRANSPORT

@@ -1,13 +1,15 @@
 """How a worker reaches the shards, for every mode: calls, waits, errors, lanes.
 
 A worker makes non-blocking calls to shard actors (:meth:`Transport.call`) and later
-waits for their results with a bound (:meth:`Transport.wait`). Shards on the
-worker's own node can also be reached through shared memory: a :class:`Lane` holds
-the worker's input segment and the shard's output segments, and only a small
-notice of what was written travels separately (a Ray call through
-:meth:`Transport.call`, or in sync mode a frame on the direct TCP path where the run
-has one). Unit tests substitute a fake transport that runs
-real shard objects on an in-process event loop.
+waits for their results with a bound (:meth:`Transport.wait`). A sync run across
+nodes also has a direct TCP path to the shards (:attr:`Transport.direct`, one per
+worker process, shared by its models); its pushes are waited for with the same
+:meth:`Transport.wait`. Shards on the worker's own node can also be reached through
+shared memory: a :class:`Lane` holds the worker's input segment and the shard's
+output segments, and only a small notice of what was written travels separately (a
+Ray call, or a frame on the direct path where the run has one). Unit tests
+substitute a fake transport that runs real shard objects on an in-process event
+loop.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from ray_ps_plugin._errors import PSError, PSTimeoutError, WaitTimeout
 from ray_ps_plugin._ray_compat import ping_actor
 from ray_ps_plugin._shm import Segment, SegmentHandle
 
-__all__ = ["Lane", "RayTransport", "Transport", "open_lanes", "wait_all"]
+__all__ = ["DirectPath", "Lane", "RayTransport", "Transport", "open_lanes", "wait_all"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +35,57 @@ logger = logging.getLogger(__name__)
 PING_TIMEOUT_S = 5.0
 
 
+class DirectPath(Protocol):
+    """The sync mode's TCP path from a worker to the shards (``_sync.wire.WireStreams``).
+
+    Pushes return ``concurrent.futures.Future`` objects, which
+    :meth:`Transport.wait` accepts beside Ray calls.
+    """
+
+    def push(
+        self,
+        shard: int,
+        model: int,
+        step: int,
+        key: int,
+        source: int,
+        dtype: str,
+        payload: Any,
+        into: Any = None,
+    ) -> concurrent.futures.Future[Any]:
+        """Sends one chunk; the future holds the answer's bytes."""
+        ...
+
+    def push_local(
+        self,
+        shard: int,
+        model: int,
+        step: int,
+        source: int,
+        dtype: str,
+        chunks: Sequence[tuple[int, int, int | None]],
+    ) -> concurrent.futures.Future[Any]:
+        """Names chunks left in shared memory for a shard of this node."""
+        ...
+
+    def reaches(self, shard: int) -> bool:
+        """Whether ``shard`` listens on the direct path."""
+        ...
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Closes every connection."""
+        ...
+
+
 class Transport(Protocol):
-    """How a worker's calls reach the shard actors; the real one is Ray."""
+    """How a worker's calls reach the shard actors; the real one is Ray.
+
+    Attributes:
+        direct: The direct TCP path to the shards (sync runs across nodes with
+            ``data_path="tcp"``), or ``None``.
+    """
+
+    direct: DirectPath | None
 
     def call(self, shard: int, method: str, *args: Any) -> Any:
         """Starts ``method(*args)`` on a shard; returns a handle to its result."""
@@ -58,6 +109,10 @@ class Transport(Protocol):
         """The shards among ``shards`` that do not answer a ping within ``timeout_s``."""
         ...
 
+    def close(self) -> None:
+        """Releases what the transport holds open (the direct path's connections)."""
+        ...
+
 
 def _ray_refs(handles: Sequence[Any]) -> list[Any]:
     """The Ray calls among ``handles``, each once: one call may stand for several
@@ -69,16 +124,26 @@ class RayTransport:
     """Calls shard actors through Ray; bulk arguments travel in the object store.
 
     Its waits also accept ``concurrent.futures.Future`` handles: pushes made on the
-    sync mode's direct data path, waited for together with Ray calls.
+    direct path, waited for together with Ray calls.
 
     Args:
         servers: The shard actor handles, in shard order.
         timeout_s: Bound on the blocking calls (``attach``).
+        direct: The run's direct path, or ``None``; closed by :meth:`close`.
     """
 
-    def __init__(self, servers: Sequence[Any], timeout_s: float) -> None:
+    def __init__(
+        self, servers: Sequence[Any], timeout_s: float, direct: DirectPath | None = None
+    ) -> None:
         self._servers = list(servers)
         self._timeout_s = timeout_s
+        self.direct = direct
+
+    def close(self) -> None:
+        """Closes the direct path's connections (Ray calls need no closing)."""
+        direct, self.direct = self.direct, None
+        if direct is not None:
+            direct.close()
 
     def call(self, shard: int, method: str, *args: Any) -> Any:
         # Ray serialises the arguments inside .remote(): buffers passed here may be

@@ -40,9 +40,8 @@ from ray_ps_plugin._errors import PSError
 from ray_ps_plugin._nonfinite import all_finite
 from ray_ps_plugin._sync.layout import Chunk, StreamLayout, plan_layout, relay_groups
 from ray_ps_plugin._sync.topology import Route, Topology
-from ray_ps_plugin._sync.wire import WireStreams
 from ray_ps_plugin._torch_compat import queue_autograd_callback
-from ray_ps_plugin._transport import Lane, Transport, open_lanes, wait_all
+from ray_ps_plugin._transport import DirectPath, Lane, Transport, open_lanes, wait_all
 
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
@@ -101,7 +100,7 @@ class SumClient(ClientBase):
         transport: Transport,
         lanes: dict[int, Lane],
         routes: list[Route] | None = None,
-        wire: WireStreams | None = None,
+        wire: DirectPath | None = None,
     ) -> None:
         super().__init__(setup, layout.num_shards, check_local=False)
         self._transport = transport
@@ -110,7 +109,8 @@ class SumClient(ClientBase):
         self._routes = routes or [
             Route(s, direct=s in setup.remote_shards) for s in range(layout.num_shards)
         ]
-        # The direct path to other nodes' shards; where it exists, the notices for
+        # The direct path to other nodes' shards (the process's, shared by its
+        # models and closed with its transport); where it exists, the notices for
         # this node's shards go on it too (else they are Ray calls).
         self._wire = wire
         self._codec = Codec(setup.settings.compression)
@@ -155,18 +155,13 @@ class SumClient(ClientBase):
         }
         lanes = open_lanes(transport, setup.model_id, spans, setup.rank)
         routes = None
-        wire = None
         if topology is not None:
             # Without shared memory with the relay, chunks still go to it (through
             # the object store): the owners count this node's partial sum, not ranks.
             routes = [topology.route(setup.rank, s) for s in range(layout.num_shards)]
-            # Every shard listens when the run has the direct path: chunks for other
-            # nodes go there, and so do the notices for this node's shards.
-            if topology.addresses:
-                wire = WireStreams(
-                    topology.addresses, topology.token, setup.settings.ps_start_timeout_s
-                )
-        return cls(setup, layout, transport, lanes, routes, wire)
+        # Every shard listens when the run has the direct path: chunks for other
+        # nodes go there, and so do the notices for this node's shards.
+        return cls(setup, layout, transport, lanes, routes, transport.direct)
 
     def bind(self, ddp: "DistributedDataParallel") -> None:
         """Replaces DDP's all-reduce with :meth:`hook`; DDP keeps its buckets."""
@@ -516,5 +511,3 @@ class SumClient(ClientBase):
         lanes, self._lanes = self._lanes, {}
         for lane in lanes.values():
             lane.close()
-        if self._wire is not None:
-            self._wire.close()

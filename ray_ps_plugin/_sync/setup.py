@@ -11,10 +11,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from ray_ps_plugin._sync.topology import Topology
-from ray_ps_plugin._sync.wire import TOKEN_BYTES
+from ray_ps_plugin._sync.wire import TOKEN_BYTES, WireStreams
 from ray_ps_plugin._types import RunSettings
 
-__all__ = ["connect_shards"]
+__all__ = ["connect_shards", "open_direct_path"]
 
 
 def _index(node_ids: Sequence[str], order: dict[str, int]) -> tuple[int, ...]:
@@ -67,3 +67,15 @@ def connect_shards(
             f"ps_start_timeout_s={timeout:g}s."
         ) from e
     return topology
+
+
+def open_direct_path(settings: RunSettings, topology: Topology | None) -> WireStreams | None:
+    """A worker process's direct path to the shards, when the run has one.
+
+    One per process, shared by every model it prepares: connections (each with a
+    sender and a receiver thread) grow with the shards, not with the models. Each
+    connection opens on its first push.
+    """
+    if topology is None or not topology.addresses:
+        return None
+    return WireStreams(topology.addresses, topology.token, settings.ps_start_timeout_s)

@@ -485,6 +485,7 @@ class WireStreams:
         self._token = token
         self._timeout_s = connect_timeout_s
         self._streams: dict[int, _Stream] = {}
+        self._lock = threading.Lock()  # models of one process share the streams
 
     def push(
         self,
@@ -515,11 +516,13 @@ class WireStreams:
         return self._stream(shard).push(frame, payload, into)
 
     def _stream(self, shard: int) -> _Stream:
-        stream = self._streams.get(shard)
-        if stream is None:
-            address = self._addresses[shard]
-            assert address is not None  # callers check
-            stream = self._streams[shard] = _Stream(shard, address, self._token, self._timeout_s)
+        with self._lock:
+            stream = self._streams.get(shard)
+            if stream is None:
+                address = self._addresses[shard]
+                assert address is not None  # callers check
+                stream = _Stream(shard, address, self._token, self._timeout_s)
+                self._streams[shard] = stream
         return stream
 
     def reaches(self, shard: int) -> bool:
@@ -544,6 +547,7 @@ class WireStreams:
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Closes every connection (waits at most ``timeout_s`` per sender)."""
-        streams, self._streams = self._streams, {}
+        with self._lock:
+            streams, self._streams = self._streams, {}
         for stream in streams.values():
             stream.close(timeout_s)

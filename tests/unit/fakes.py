@@ -55,6 +55,7 @@ class FakeTransport:
     def __init__(self, loop: LoopThread, servers) -> None:
         self.loop = loop
         self.servers = servers
+        self.direct = None  # no direct TCP path (test_wire runs it on real sockets)
         self.calls: list[tuple] = []
         self.silent_shards: set[int] = set()
         self._gate = asyncio.Event()
@@ -95,6 +96,9 @@ class FakeTransport:
 
     def silent(self, shards, timeout_s):
         return [s for s in shards if s in self.silent_shards]
+
+    def close(self) -> None:
+        pass
 
     def pushes(self):
         return [c for c in self.calls if c[0] in ("push_pull", "push_local")]

@@ -42,7 +42,7 @@ def prepared(request, process_group, loop, monkeypatch):
     transport = FakeTransport(loop, [shard])
     monkeypatch.setattr(_runtime, "_RUN", _runtime.RunInfo(settings, [object()], ["node"]))
     monkeypatch.setattr(_runtime, "client_setup", lambda m, info: setup_for(m, 0, 1, 1, settings))
-    monkeypatch.setattr(_ddp, "RayTransport", lambda servers, timeout_s: transport)
+    monkeypatch.setattr(_ddp, "RayTransport", lambda servers, timeout_s, direct=None: transport)
     torch.manual_seed(0)
     model = _ddp.PSDistributedDataParallel(torch.nn.Linear(4, 2))
     yield model, transport
@@ -109,7 +109,7 @@ def ps_run(request, process_group, loop, monkeypatch):
     transport = FakeTransport(loop, [shard])
     monkeypatch.setattr(_runtime, "_RUN", _runtime.RunInfo(settings, [object()], ["node"]))
     monkeypatch.setattr(_runtime, "client_setup", lambda m, info: setup_for(m, 0, 1, 1, settings))
-    monkeypatch.setattr(_ddp, "RayTransport", lambda servers, timeout_s: transport)
+    monkeypatch.setattr(_ddp, "RayTransport", lambda servers, timeout_s, direct=None: transport)
     yield mode, transport
     _runtime.close_clients()
 
@@ -270,3 +270,29 @@ def test_a_run_that_never_reached_the_shards_fails(monkeypatch, caplog):
     assert "never used" in caplog.text
     monkeypatch.setattr(ray.train, "get_context", lambda: _FakeTrainContext(1))
     _ddp._check_servers_used(raising=True)  # one worker: prepare_model builds no DDP
+
+
+def test_models_of_a_process_share_one_transport_closed_with_the_clients():
+    """One direct path per worker process: connections grow with the shards, not
+    with the models; the next training function opens its own."""
+
+    class Opened:
+        direct = None
+        closed = 0
+
+        def close(self):
+            self.closed += 1
+
+    opened = []
+
+    def open_transport():
+        opened.append(Opened())
+        return opened[-1]
+
+    first = _runtime.shared_transport(open_transport)
+    assert _runtime.shared_transport(open_transport) is first and len(opened) == 1
+    _runtime.close_clients()
+    assert first.closed == 1
+    assert _runtime.shared_transport(open_transport) is not first
+    _runtime.close_clients()
+    assert [t.closed for t in opened] == [1, 1]
