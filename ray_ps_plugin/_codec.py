@@ -1,10 +1,10 @@
-"""Wire formats between workers and shards: the model's own dtype, or 16-bit.
+"""Encoded formats of what workers and shards send: the model's own dtype, or 16-bit.
 
 With ``PSConfig(compression="bf16" | "fp16")`` every tensor that travels (gradient
 chunks and sums in sync mode, deltas and parameters in async/ssp) is sent as 16-bit
 values, halving the bytes. The shards decode to the model's dtype (at least fp32)
-and keep their sums and master parameters in it, so rounding happens only on the
-wire, never in the state. A bfloat16 model travels as bfloat16 either way; fp16
+and keep their sums and master parameters in it, so rounding happens only in the
+messages, never in the state. A bfloat16 model travels as bfloat16 either way; fp16
 compression of it is refused at ``prepare_model`` (fp16 lacks its range).
 
 bfloat16 travels as raw 16-bit patterns in ``int16`` arrays (see
@@ -51,10 +51,10 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
 
 
 class Codec:
-    """Encodes tensors for the wire and decodes them back.
+    """Encodes tensors for messages (16-bit when compressed) and decodes them back.
 
     Args:
-        compression: ``None`` (the model's dtype on the wire), ``"fp16"`` or ``"bf16"``.
+        compression: ``None`` (the model's dtype in messages), ``"fp16"`` or ``"bf16"``.
     """
 
     def __init__(self, compression: Compression | None) -> None:
@@ -66,8 +66,8 @@ class Codec:
         self._converts: dict[str, bool] = {}
 
     @property
-    def wire_dtype(self) -> torch.dtype:
-        """The torch dtype of compressed values on the wire (fp32 when uncompressed)."""
+    def encoded_dtype(self) -> torch.dtype:
+        """The torch dtype of compressed values in messages (fp32 when uncompressed)."""
         import torch
 
         return getattr(torch, _WIRE[self.compression])
@@ -76,27 +76,27 @@ class Codec:
     def active(self) -> bool:
         return self.compression is not None
 
-    def wire_np_dtype(self, dtype: str) -> np.dtype:
-        """The NumPy dtype of a wire array carrying values of model dtype ``dtype``."""
+    def encoded_np_dtype(self, dtype: str) -> np.dtype:
+        """The NumPy dtype of an encoded array carrying values of model dtype ``dtype``."""
         if self.compression == "bf16":
             return BF16_BITS
         return np.dtype(np.float16) if self.compression == "fp16" else storage(dtype)
 
     def converts(self, dtype: str) -> bool:
-        """Whether the wire format differs from the dtype shards compute in."""
+        """Whether the encoded format differs from the dtype shards compute in."""
         known = self._converts.get(dtype)
         if known is None:
-            known = self._converts[dtype] = self.wire_np_dtype(dtype) != np.dtype(widened(dtype))
+            known = self._converts[dtype] = self.encoded_np_dtype(dtype) != np.dtype(widened(dtype))
         return known
 
     def encode(self, t: torch.Tensor) -> np.ndarray:
-        """A host array of ``t`` in the wire format (a view when nothing changes)."""
+        """A host array of ``t`` in the encoded format (a view when nothing changes)."""
         t = t.detach()
-        t = t.to(device="cpu", dtype=self.wire_dtype) if self.active else t.cpu()
+        t = t.to(device="cpu", dtype=self.encoded_dtype) if self.active else t.cpu()
         return to_numpy(t)
 
     def decode(self, arr: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The values of a wire array as ``dtype`` (compressed: fp32 by default;
+        """The values of an encoded array as ``dtype`` (compressed: fp32 by default;
         uncompressed: the array itself, viewed as a tensor, by default)."""
         import torch
 
@@ -107,13 +107,13 @@ class Codec:
     def encode_np(
         self, values: np.ndarray, dtype: str = "float32", out: np.ndarray | None = None
     ) -> np.ndarray:
-        """Shard side: a fresh wire array of ``values`` (or ``out``, filled), which
+        """Shard side: a fresh encoded array of ``values`` (or ``out``, filled), which
         are in the dtype shards compute in for model dtype ``dtype`` (a copy when
         nothing changes)."""
-        wire = self.wire_np_dtype(dtype)
+        encoded = self.encoded_np_dtype(dtype)
         if out is None:
-            out = np.empty(values.shape, wire)
-        if wire == values.dtype:
+            out = np.empty(values.shape, encoded)
+        if encoded == values.dtype:
             np.copyto(out, values)
         else:
             # Narrowing to 16 bits through torch: it rounds to nearest even, as the
@@ -123,7 +123,7 @@ class Codec:
         return out
 
     def decode_np(self, arr: np.ndarray, dtype: str = "float32") -> np.ndarray:
-        """Shard side: the values of a wire array in the dtype shards compute in for
+        """Shard side: the values of an encoded array in the dtype shards compute in for
         model dtype ``dtype`` (the array itself when nothing changes)."""
         target = np.dtype(widened(dtype))
         if arr.dtype == BF16_BITS:

@@ -103,10 +103,10 @@ class ParamClient(ClientBase):
         self._base = torch.empty(numel, dtype=dtype)
         # The weight the shards give one worker's delta (see ParamShard._push_pull).
         self._scale = 1.0 / setup.world_size
-        # Only shards reached by wire need a host delta; colocated ones get theirs
+        # Only shards reached by message need a host delta; colocated ones get theirs
         # written straight into shared memory.
-        wired = len(self._lanes) < setup.num_shards
-        self._delta = torch.empty(numel if wired else 0, dtype=dtype)
+        by_message = len(self._lanes) < setup.num_shards
+        self._delta = torch.empty(numel if by_message else 0, dtype=dtype)
         self._on_gpu = any(p.is_cuda for p in self._params)
         self._flat = torch.empty(numel if self._on_gpu else 0, dtype=dtype)  # GPU staging
         # Whether a pass over the parameters' flat views writes the model itself
@@ -114,7 +114,7 @@ class ParamClient(ClientBase):
         self._writes_in_place = not self._on_gpu and all(p.is_contiguous() for p in self._params)
         self._np_dtype = to_numpy(self._base).dtype
         # Where each shard's delta is computed: straight into the shared memory of a
-        # colocated shard (saving a copy), else into ``_delta`` for the wire.
+        # colocated shard (saving a copy), else into ``_delta`` for the message.
         self._delta_parts = [
             self._lane_tensor(self._lanes[s].inputs, b - a)
             if s in self._lanes
@@ -128,11 +128,11 @@ class ParamClient(ClientBase):
         # which have no piece).
         self._offsets = list(itertools.accumulate((p.numel() for p in self._params), initial=0))
         # Bytes exchanged with each shard per push or reply: shared memory carries the
-        # parameters' dtype, the wire the codec's.
+        # parameters' dtype, messages the codec's.
         local_size = self._base.element_size()
-        wire_size = self._codec.wire_dtype.itemsize if self._codec.active else local_size
+        encoded_size = self._codec.encoded_dtype.itemsize if self._codec.active else local_size
         self._slice_bytes = [
-            (b - a) * (local_size if s in self._lanes else wire_size)
+            (b - a) * (local_size if s in self._lanes else encoded_size)
             for s, (a, b) in enumerate(self._slices())
         ]
         self._clock = 0
@@ -263,8 +263,8 @@ class ParamClient(ClientBase):
         returns the calls' handles (each answers with its shard's parameters)."""
         self._clock += 1
         slot = self._clock % 2
-        wired = len(self._lanes) < self.num_shards
-        delta = self._codec.encode(self._delta) if wired else None
+        by_message = len(self._lanes) < self.num_shards
+        delta = self._codec.encode(self._delta) if by_message else None
         handles = []
         for s, (a, b) in enumerate(self._slices()):
             if s in self._lanes:

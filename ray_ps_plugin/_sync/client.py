@@ -90,7 +90,7 @@ class SumClient(ClientBase):
         routes: Where the chunks of each owner shard go (see
             :class:`~ray_ps_plugin._sync.topology.Topology`); by default each to its
             owner.
-        wire: The direct data path to other nodes' shards, if the run has one.
+        direct: The direct data path to other nodes' shards, if the run has one.
     """
 
     def __init__(
@@ -100,7 +100,7 @@ class SumClient(ClientBase):
         transport: Transport,
         lanes: dict[int, Lane],
         routes: list[Route] | None = None,
-        wire: DirectPath | None = None,
+        direct: DirectPath | None = None,
     ) -> None:
         super().__init__(setup, layout.num_shards, check_local=False)
         self._transport = transport
@@ -112,7 +112,7 @@ class SumClient(ClientBase):
         # The direct path to other nodes' shards (the process's, shared by its
         # models and closed with its transport); where it exists, the notices for
         # this node's shards go on it too (else they are Ray calls).
-        self._wire = wire
+        self._direct = direct
         self._codec = Codec(setup.settings.compression)
         self._stream_offset = 0
         self._warned_no_callback = False
@@ -260,8 +260,8 @@ class SumClient(ClientBase):
                 if host is None
                 else host[p.start : p.stop]
             )
-            if route.direct and self._wire is not None:
-                handles[i] = self._wire.push(
+            if route.direct and self._direct is not None:
+                handles[i] = self._direct.push(
                     route.target, self.model_id, step, p.key, self.rank, dtype, chunk
                 )
             else:
@@ -310,12 +310,12 @@ class SumClient(ClientBase):
                     else:
                         dst.copy_(staged[p.start : p.stop])
                     chunks.append((p.key, p.numel, None if target == p.shard else p.shard))
-                if self._wire is not None and self._wire.reaches(target):
+                if self._direct is not None and self._direct.reaches(target):
                     # A Ray call and its reply sit at the start and at the end of the
                     # step's transfer, where on a loaded machine they cost far more
                     # than a frame on this open socket (docs/benchmarks.md, 2 nodes ×
                     # 2 workers, 1 Gbit/s).
-                    call = self._wire.push_local(
+                    call = self._direct.push_local(
                         target, self.model_id, step, self.rank, dtype, chunks
                     )
                 else:
@@ -337,12 +337,12 @@ class SumClient(ClientBase):
     ) -> None:
         """Adds a bucket's bytes per shard and its messages (one per chunk sent
         elsewhere, one per notice to a shard of this node) to the counters."""
-        wire_itemsize = np.dtype(self._codec.wire_np_dtype(dtype)).itemsize
+        encoded_itemsize = np.dtype(self._codec.encoded_np_dtype(dtype)).itemsize
         with self._lock:
             for p, route in zip(pieces, routes):
-                wired = route.target not in self._lanes
+                by_message = route.target not in self._lanes
                 self._count_push(
-                    route.target, p.numel * (wire_itemsize if wired else buf.element_size())
+                    route.target, p.numel * (encoded_itemsize if by_message else buf.element_size())
                 )
             self._stats.pushes += messages
 
@@ -470,8 +470,8 @@ class SumClient(ClientBase):
                 r = lane.outputs[item.step % 2].view(p.key - lane.lo, storage(dtype), p.numel)
                 bucket[p.start : p.stop].copy_(as_torch(r))
             else:
-                wire = self._codec.wire_np_dtype(dtype)
-                r = result.view(wire) if result.dtype == np.uint8 else result
+                encoded = self._codec.encoded_np_dtype(dtype)
+                r = result.view(encoded) if result.dtype == np.uint8 else result
                 bucket[p.start : p.stop].copy_(self._codec.decode(r, bucket.dtype))
             if self.guard.policy != "ignore" and got.finite:
                 got.finite = all_finite(bucket[p.start : p.stop])

@@ -46,12 +46,12 @@ class _Slot:
     expected: frozenset[int]  # the sources whose pushes complete it
     owner: int  # the shard that owns the chunk (another one: this shard relays)
     ranks: set[int] = field(default_factory=set)  # sources that pushed so far
-    wire: np.ndarray | None = None  # the sum in the wire format, once complete
+    encoded: np.ndarray | None = None  # the sum in the encoded format, once complete
     shared: bool = False  # whether ``acc`` lies in the model's output segment
     # Where this node's workers read the sum when it is held differently from
     # ``acc`` (bfloat16 patterns in the output segment, while ``acc`` is float32).
     out: np.ndarray | None = None
-    wired: bool = False  # whether some worker pushed (and so pulls) through the wire
+    by_message: bool = False  # some worker pushed (so pulls) by message, not shared memory
     done: asyncio.Event = field(default_factory=asyncio.Event)
     error: Exception | None = None  # why a relayed sum failed, for every waiter
 
@@ -148,8 +148,8 @@ class SumShard(ShardBase):
                 f"shard {self.shard_index}: source {frame.source} "
                 f"({self._describe(frame.source)}) does not push to this shard directly."
             )
-        wire = payload.view(self._codec.wire_np_dtype(frame.dtype))
-        values = self._codec.decode_np(wire, frame.dtype)
+        encoded = payload.view(self._codec.encoded_np_dtype(frame.dtype))
+        values = self._codec.decode_np(encoded, frame.dtype)
         with self._queued():
             out = await self._push_pull(
                 frame.model,
@@ -283,13 +283,13 @@ class SumShard(ShardBase):
             step: The worker's synchronisation round, counted from 1.
             key: The chunk's byte offset in the model's gradient stream.
             rank: The pushing worker's world rank.
-            grad: The chunk, already divided by the world size, in the wire format.
+            grad: The chunk, already divided by the world size, in the encoded format.
             dtype: The model's gradient dtype, in which the shard sums.
             owner: The shard that owns the chunk, when this shard is the pushing
                 worker's relay for it (``None``: this one).
 
         Returns:
-            The sum of all workers' chunks for this step, in the wire format.
+            The sum of all workers' chunks for this step, in the encoded format.
 
         Raises:
             ShardTimeoutError: If the other workers do not push within the timeout.
@@ -302,7 +302,7 @@ class SumShard(ShardBase):
             out = await self._push_pull(
                 model, step, key, rank, values, dtype, grad.nbytes, True, owner
             )
-        assert out is not None  # a push by wire is answered by wire
+        assert out is not None  # a push by message is answered by message
         return out
 
     async def _push_pull(
@@ -314,7 +314,7 @@ class SumShard(ShardBase):
         grad: np.ndarray,
         dtype: str,
         nbytes: int,
-        wire: bool,
+        by_message: bool,
         owner: int | None = None,
     ) -> np.ndarray | None:
         owner = self.shard_index if owner is None else owner
@@ -325,7 +325,7 @@ class SumShard(ShardBase):
                 f"{self._describe(rank)} is not one of the sources of this chunk "
                 f"(owner shard {owner}); the workers disagree on the topology."
             )
-        slot.wired = slot.wired or wire
+        slot.by_message = slot.by_message or by_message
         if rank in slot.ranks:
             self._duplicates += 1
         else:
@@ -354,11 +354,11 @@ class SumShard(ShardBase):
                 ) from None
         if slot.error is not None:
             raise slot.error
-        if not wire:
+        if not by_message:
             self._bytes_out += slot.acc.nbytes if slot.out is None else slot.out.nbytes
             return None  # shared memory: the worker reads it there
-        # A converted sum is in ``wire`` (set on completion: this push came by wire).
-        answer = slot.acc if slot.wire is None else slot.wire
+        # A converted sum is in ``encoded`` (set on completion: this push came by message).
+        answer = slot.acc if slot.encoded is None else slot.encoded
         self._bytes_out += answer.nbytes
         return answer
 
@@ -385,16 +385,16 @@ class SumShard(ShardBase):
         """Makes the finished sum readable by every worker, then releases them."""
         self._share(model, slot, key, dtype)
         if slot.out is not None:
-            # bfloat16: the patterns go into the output segment, and are the wire
+            # bfloat16: the patterns go into the output segment, and are the encoded
             # format as well (bfloat16 travels as bfloat16).
             self._codec.encode_np(slot.acc, dtype, out=slot.out)
-            slot.wire = slot.out
-        elif self._codec.converts(dtype) and slot.wired:
-            # Some workers receive the sum on the wire: round it once, in place, so a
+            slot.encoded = slot.out
+        elif self._codec.converts(dtype) and slot.by_message:
+            # Some workers receive the sum by message: round it once, in place, so a
             # worker reading shared memory gets exactly the values they decode. (When
             # every worker shares memory, nothing is encoded and nothing rounded.)
-            slot.wire = self._codec.encode_np(slot.acc, dtype)
-            np.copyto(slot.acc, self._codec.decode_np(slot.wire, dtype))
+            slot.encoded = self._codec.encode_np(slot.acc, dtype)
+            np.copyto(slot.acc, self._codec.decode_np(slot.encoded, dtype))
         slot.done.set()
 
     async def _relay(self, model: int, slot: _Slot, key: int, dtype: str) -> None:
@@ -430,13 +430,13 @@ class SumShard(ShardBase):
                     f"byte {key}: owner shard {slot.owner} did not answer this node's "
                     f"partial sum within {self.timeout_s:g}s."
                 )
-            answer = push.result().view(self._codec.wire_np_dtype(dtype))
+            answer = push.result().view(self._codec.encoded_np_dtype(dtype))
             if slot.out is not None:
                 np.copyto(slot.out, answer)  # bfloat16 patterns, as this node reads them
             elif answer.ctypes.data != slot.acc.ctypes.data:
                 np.copyto(slot.acc, self._codec.decode_np(answer, dtype))
-            if converts and slot.wired:
-                slot.wire = answer
+            if converts and slot.by_message:
+                slot.encoded = answer
         except Exception as e:
             if not isinstance(e, (ShardTimeoutError, ShardProtocolError)):
                 e = ShardLinkError(
