@@ -26,6 +26,7 @@ Variants (run in alternation within each round, so drifts hit them alike):
   ``mode="diloco"`` with ``local_steps`` H (Nesterov outer step, synchronous
   rounds). Their warm-up and timed steps are rounded up to whole rounds (at least
   two timed rounds), so the mean holds every round's transfer.
+  ``ps_diloco_h32_bf16``: H = 32 with ``compression="bf16"``.
 - ``compute``: no synchronisation at all (the floor; not run by default).
 
 Step time is rank 0's mean over the steps after warm-up; the table shows the median
@@ -96,6 +97,11 @@ VARIANTS: dict[str, tuple[dict[str, Any], str | None, bool]] = {
         f"ps_diloco_h{h}": ({"strategy": "ps", "mode": "diloco", "local_steps": h}, None, True)
         for h in (1, 8, 32, 128)
     },
+    "ps_diloco_h32_bf16": (
+        {"strategy": "ps", "mode": "diloco", "local_steps": 32, "compression": "bf16"},
+        None,
+        True,
+    ),
     "compute": ({"strategy": "ddp"}, None, False),
 }
 DEFAULT_VARIANTS = "ddp,ddp_bf16,ps_sync,ps_sync_bf16"

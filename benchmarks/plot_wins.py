@@ -22,9 +22,9 @@ def _json(name: str) -> dict:
     return json.loads((RESULTS / f"{name}.json").read_text())
 
 
-def _net_speed(name: str) -> float:
+def _net_speed(name: str, variant: str = "ps_sync") -> float:
     """The inverse of the step-time ratio the docs quote (median of rounds)."""
-    return 1 / _json(name)["ratio_to_ddp"]["ps_sync"]
+    return 1 / _json(name)["ratio_to_ddp"][variant]
 
 
 def bars() -> list[tuple[str, float]]:
@@ -39,6 +39,10 @@ def bars() -> list[tuple[str, float]]:
         (f"one node, one worker\n{sleep:g} ms slow, async PS", straggler["ps_async+straggler"]),
         ("2 nodes x 1 worker,\n1 Gbit/s, sync PS", _net_speed("net_2x1_1gbit")),
         ("2 nodes x 2 workers,\n1 Gbit/s, sync PS", _net_speed("net_2x2_1gbit")),
+        (
+            "2 nodes x 2 workers,\n1 Gbit/s, DiLoCo H=32",
+            _net_speed("net_2x2_1gbit_diloco", "ps_diloco_h32"),
+        ),
     ]
 
 
@@ -49,7 +53,7 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     data = bars()
-    fig, ax = plt.subplots(figsize=(7.5, 3.6))
+    fig, ax = plt.subplots(figsize=(9, 3.6))
     labels = [k for k, _ in data]
     values = [v for _, v in data]
     colors = ["#2a7" if v > 1.03 else ("#c44" if v < 0.97 else "#888") for v in values]
