@@ -24,8 +24,8 @@ test: $(VENV)/.installed
 	$(PY) -m pytest -q --durations=15 tests
 
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check ray_ps_plugin tests benchmarks examples
-	$(VENV)/bin/ruff format --check ray_ps_plugin tests benchmarks examples
+	$(VENV)/bin/ruff check ray_ps_plugin tests benchmarks examples tools
+	$(VENV)/bin/ruff format --check ray_ps_plugin tests benchmarks examples tools
 	$(VENV)/bin/mypy
 
 # The docs site as MkDocs builds it; --strict fails on broken links and anchors.

@@ -15,7 +15,7 @@ variant runs, cuts the trace into one burst per step (traffic separated by at le
 - ``tx_mb`` / ``rx_mb``: the burst's bytes each way.
 
 Only meaningful where the interface carries nothing but the run's traffic, as in
-``benchmarks/netbed.py``.
+``tools/netbed.py``.
 """
 
 from __future__ import annotations

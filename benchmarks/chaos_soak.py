@@ -1,6 +1,6 @@
 """Chaos soak: a sync PS run under repeated, seeded faults, against a fault-free run.
 
-Runs on the network test bed (``benchmarks/netbed.py``, root only): two Ray nodes in
+Runs on the network test bed (``tools/netbed.py``, root only): two Ray nodes in
 network namespaces, one worker and its shard on each, node 1 behind a shaped link.
 The same training (an MLP, momentum SGD, deterministic data, a checkpoint every
 ``--every`` steps, ``FailureConfig(max_failures=--retries)``) runs twice in the bed:
@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tools/
 
 KINDS = ("shard_killed", "shard_hung", "node_lost", "link_down", "link_lossy")
 
@@ -330,7 +331,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
     """Builds the bed, runs fault-free and chaos runs, returns the report."""
     import torch
 
-    netbed = importlib.import_module("netbed")
+    netbed = importlib.import_module("tools.netbed")
     _common = importlib.import_module("_common")
     rng = random.Random(args.seed)
     kinds = [k for k in args.kinds.split(",") if k]

@@ -1,6 +1,6 @@
 """Step time of DDP and PS-sync with workers spread over nodes joined by a real link.
 
-Meant for the network test bed (``benchmarks/netbed.py``), where every node sits
+Meant for the network test bed (``tools/netbed.py``), where every node sits
 behind a rate-limited link, and for real clusters (``--address``). Workers are spread
 over ``--nodes`` nodes, ``--workers-per-node`` each; the script checks where every
 worker landed and refuses to report a run whose placement is not the one asked for.
@@ -37,7 +37,7 @@ what actually crossed the link. With ``--link-trace`` the driver also samples it
 own interface every millisecond (in the bed: the head node's link) and reports, per
 variant, when each step's bytes moved (``_linktrace.py``).
 
-    python benchmarks/netbed.py --nodes 2 --rate 1gbit -- \\
+    python tools/netbed.py --nodes 2 --rate 1gbit -- \\
         python benchmarks/net_step_time.py --steps 10 --rounds 1
     python benchmarks/net_step_time.py --address HEAD:6379 --nodes 2 \\
         --storage /shared/dir         # on a real cluster (storage all nodes can reach)
@@ -293,7 +293,7 @@ def main() -> None:
     if unknown:
         p.error(f"unknown variant(s) {sorted(unknown)}; choose from {list(VARIANTS)}")
     if not args.address:
-        p.error("no cluster: pass --address or run under benchmarks/netbed.py")
+        p.error("no cluster: pass --address or run under tools/netbed.py")
     if args.steps < 1 or args.rounds < 1:
         p.error("--steps and --rounds must be >= 1")
 

@@ -176,7 +176,7 @@ def _print(reports: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -
     )
     print(
         "\nMore: docs/benchmarks.md (every figure, across a shaped 1 Gbit/s link too:"
-        "\nbenchmarks/netbed.py), examples/lightning_ps.py, examples/transformers_ps.py,"
+        "\ntools/netbed.py), examples/lightning_ps.py, examples/transformers_ps.py,"
         "\nexamples/tune_sweep.py."
     )
 

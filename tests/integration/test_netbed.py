@@ -1,4 +1,4 @@
-"""Two Ray nodes in network namespaces behind 1 Gbit/s links (benchmarks/netbed.py).
+"""Two Ray nodes in network namespaces behind 1 Gbit/s links (tools/netbed.py).
 
 One bed for the module; each test runs ``netbed_driver.py`` (sync PS, one worker per
 node, a checkpoint every 5 steps) in the bed's head namespace: this pytest process
@@ -14,7 +14,6 @@ run waits out the bounds it tests.
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
 import sys
@@ -26,8 +25,7 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-netbed = importlib.import_module("netbed")
+from tools import netbed
 
 _REASON = netbed.unavailable_reason(probe=False)
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")

@@ -3,7 +3,6 @@
 Fast and without Ray: reads Markdown, JSON and CSV only.
 """
 
-import importlib.util
 import re
 from pathlib import Path
 
@@ -21,12 +20,9 @@ USER_FILES = {"train.py"}
 
 
 def _render_docs():
-    spec = importlib.util.spec_from_file_location(
-        "render_docs", ROOT / "benchmarks" / "render_docs.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from tools import render_docs
+
+    return render_docs
 
 
 def _cited_tests():
@@ -43,7 +39,7 @@ def _cited_tests():
 def test_generated_figures_match_the_benchmark_results():
     stale = _render_docs().stale_blocks()
     assert not stale, (
-        "docs differ from benchmarks/results; run `python benchmarks/render_docs.py`:\n"
+        "docs differ from benchmarks/results; run `python tools/render_docs.py`:\n"
         + "\n".join(stale)
     )
 

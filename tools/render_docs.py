@@ -9,8 +9,8 @@ The first word names a renderer below, the other words are its arguments. Render
 of tables (``*_table``) produce whole blocks; the others produce a few words inside a
 sentence. Usage::
 
-    python benchmarks/render_docs.py            # rewrite the blocks in place
-    python benchmarks/render_docs.py --check    # exit 1 and list the stale blocks
+    python tools/render_docs.py            # rewrite the blocks in place
+    python tools/render_docs.py --check    # exit 1 and list the stale blocks
 
 ``tests/unit/test_docs.py`` runs the check, so the docs cannot drift from the
 results. The script reads only JSON and CSV files: no Ray, no torch.
@@ -516,7 +516,7 @@ def resnet_ratio(variant: str) -> str:
     return _x(_resnet(variant)["samples_per_s"] / _resnet("ddp")["samples_per_s"])
 
 
-# --- across a shaped link (benchmarks/net_step_time.py on benchmarks/netbed.py) -------
+# --- across a shaped link (benchmarks/net_step_time.py on tools/netbed.py) -------
 NET_LABELS = {
     "ddp": "DDP",
     "ddp_bf16": "DDP + torch `bf16_compress_hook`",
@@ -793,7 +793,7 @@ def wire_loop_cpu(which: str) -> str:
     return f"{_json('wire_server')['rows'][int(which)]['loop_cpu_ms_per_mib']:.2f} ms"
 
 
-# --- chaos soak (benchmarks/chaos_soak.py on benchmarks/netbed.py) ----------------------
+# --- chaos soak (benchmarks/chaos_soak.py on tools/netbed.py) ----------------------
 def _fault_detail(f: dict[str, Any]) -> str:
     if "skipped" in f:
         return f"skipped: {f['skipped']}"
@@ -1018,7 +1018,7 @@ def main(argv: list[str] | None = None) -> int:
             for s in stale:
                 print(f"stale: {s}")
             if stale:
-                print("Run: python benchmarks/render_docs.py", file=sys.stderr)
+                print("Run: python tools/render_docs.py", file=sys.stderr)
             return 1 if stale else 0
         for path in doc_files():
             text = path.read_text()

@@ -4,7 +4,7 @@ Reads the stored results (nothing is measured here) and draws one bar per settin
 the PS's speed relative to DDP in the same run (DDP's step time over the PS's, or the
 PS's throughput over DDP's), so 1.0 is a tie and higher is better.
 
-    python benchmarks/plot_wins.py       # writes docs/img/where_ps_wins.png
+    python tools/plot_wins.py       # writes docs/img/where_ps_wins.png
 """
 
 from __future__ import annotations

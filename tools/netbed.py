@@ -11,7 +11,7 @@ only inside its own namespaces, and no route leads out of them.
 
 Command line (root only)::
 
-    python benchmarks/netbed.py --nodes 2 --cpus-per-node 2 --rate 1gbit \\
+    python tools/netbed.py --nodes 2 --cpus-per-node 2 --rate 1gbit \\
         [--delay 0ms] [--loss 0] [--probe] -- python benchmarks/net_step_time.py ...
 
 creates the bed, starts the Ray head and workers, runs the command in the head's
