@@ -11,6 +11,7 @@ import torch
 from ray_ps_plugin._client import ClientSetup
 from ray_ps_plugin._errors import WaitTimeout
 from ray_ps_plugin._param.shard import ParamShard, Reply
+from ray_ps_plugin._sync.wire import LOCAL, PUSH, Frame, RemoteError, pack_local
 
 
 class LoopThread:
@@ -45,6 +46,50 @@ def _copy(value):
     return value
 
 
+class FakeDirect:
+    """The direct TCP path without sockets: each frame goes to the real shard's
+    frame handler on the fake loop, and the answer comes back as the bytes a socket
+    would carry (``uint8``, received into ``into`` when it fits), or as
+    ``RemoteError`` when the shard refuses the frame, as ``WireStreams`` does."""
+
+    def __init__(self, loop: LoopThread, servers) -> None:
+        self.loop = loop
+        self.servers = servers
+        self.frames: list[tuple[int, int, int]] = []  # (shard, kind, source)
+
+    def reaches(self, shard: int) -> bool:
+        return True
+
+    def push(self, shard, model, step, key, source, dtype, payload, into=None) -> Future:
+        frame = Frame(PUSH, dtype, model, step, key, source, payload.nbytes)
+        return self._send(shard, frame, payload.reshape(-1).view(np.uint8).copy(), into)
+
+    def push_local(self, shard, model, step, source, dtype, chunks) -> Future:
+        payload = pack_local(chunks)
+        frame = Frame(LOCAL, dtype, model, step, chunks[0][0], source, payload.nbytes)
+        return self._send(shard, frame, payload, None)
+
+    def _send(self, shard, frame, payload, into) -> Future:
+        self.frames.append((shard, frame.kind, frame.source))
+
+        async def deliver():
+            try:
+                out = await self.servers[shard]._on_frame(frame, payload)
+            except Exception as e:  # the shard's ERROR frame
+                raise RemoteError(str(e)) from None
+            data = np.frombuffer(out.tobytes(), np.uint8)
+            if into is not None and into.nbytes == data.nbytes:
+                landed = into.reshape(-1).view(np.uint8)
+                landed[:] = data
+                return landed
+            return data.copy()
+
+        return self.loop.run(deliver())
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        pass
+
+
 class FakeTransport:
     """Drives shard coroutines directly, copying data as Ray would.
 
@@ -55,7 +100,7 @@ class FakeTransport:
     def __init__(self, loop: LoopThread, servers) -> None:
         self.loop = loop
         self.servers = servers
-        self.direct = None  # no direct TCP path (test_wire runs it on real sockets)
+        self.direct: FakeDirect | None = None  # set for a run with the direct path
         self.calls: list[tuple] = []
         self.silent_shards: set[int] = set()
         self._gate = asyncio.Event()

@@ -1,5 +1,6 @@
 """PSClient's DDP hook against fake shards: chunks, sums, stats, timeouts."""
 
+import dataclasses
 import threading
 import time
 
@@ -9,7 +10,16 @@ import torch
 from ray_ps_plugin._errors import PSError, PSTimeoutError
 from ray_ps_plugin._sync.client import SumClient
 from ray_ps_plugin._sync.shard import SumShard
-from tests.unit.fakes import FakeBucket, FakeTransport, LoopThread, Settings, setup_for
+from ray_ps_plugin._sync.topology import Topology
+from ray_ps_plugin._sync.wire import LOCAL, PUSH
+from tests.unit.fakes import (
+    FakeBucket,
+    FakeDirect,
+    FakeTransport,
+    LoopThread,
+    Settings,
+    setup_for,
+)
 
 
 @pytest.fixture
@@ -419,3 +429,78 @@ def test_a_kept_error_raised_again_does_not_grow_its_traceback(loop):
     assert depths[0] == depths[1] == depths[2]
     c0.close()
     c1.close()
+
+
+@pytest.mark.parametrize(
+    ("worker_nodes", "shard_nodes"),
+    [((0, 1), (0, 1)), ((0, 0, 1, 1), (0, 1))],
+    ids=["2x1", "2x2-relays"],
+)
+def test_the_direct_path_carries_chunks_and_notices_and_sums_stay_right(
+    loop, worker_nodes, shard_nodes
+):
+    """Across 'nodes' on the direct path (the real shards' frame handler, no
+    sockets): other nodes' chunks go as frames, this node's as shared-memory notices
+    on the same path; with two workers per node the node's shard relays their
+    partial sum. Every worker gets the mean of all workers' buckets."""
+    world, numels = len(worker_nodes), [3000, 700]
+    topo = Topology(
+        worker_nodes=worker_nodes,
+        shard_nodes=shard_nodes,
+        addresses=tuple(("fake", s) for s in range(len(shard_nodes))),
+        token=bytes(32),
+    )
+    servers = [SumShard(i, world, 5.0) for i in range(len(shard_nodes))]
+    transport = FakeTransport(loop, servers)
+    transport.direct = FakeDirect(loop, servers)
+    for s in servers:
+        s._relay_streams = None  # configured below; relays forward on the fake path
+        loop.run(s.configure(topo)).result(5)
+        if s._relayed:
+            s._relay_streams = transport.direct
+    settings = Settings(chunk_bytes=2048)
+    clients = []
+    for r, node in enumerate(worker_nodes):
+        mine = [s for s, n in enumerate(shard_nodes) if n == node]
+        setup = setup_for(
+            _module(sum(numels)),
+            r,
+            world,
+            len(shard_nodes),
+            settings,
+            local=mine,
+            remote={s for s in range(len(shard_nodes)) if s not in mine},
+        )
+        clients.append(SumClient.build(dataclasses.replace(setup, topology=topo), transport))
+    grads = {
+        r: [
+            torch.randn(n, generator=torch.Generator().manual_seed(r * 7 + i))
+            for i, n in enumerate(numels)
+        ]
+        for r in range(world)
+    }
+    results = {}
+
+    def worker(rank):
+        bufs = [g.clone() for g in grads[rank]]
+        futs = [clients[rank].hook(None, FakeBucket(i, b)) for i, b in enumerate(bufs)]
+        results[rank] = [f.wait() for f in futs]
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for i in range(len(numels)):
+        expected = sum(grads[r][i] for r in range(world)) / world
+        for r in range(world):
+            torch.testing.assert_close(results[r][i], expected)
+    kinds = {kind for _, kind, _ in transport.direct.frames}
+    assert kinds == {PUSH, LOCAL}, kinds  # data frames and notices both took the path
+    assert not transport.pushes(), "no chunk went through a Ray call"
+    if topo.has_relays:
+        # Only the relays' partial sums crossed nodes: sources beyond the ranks.
+        crossing = {src for shard, kind, src in transport.direct.frames if kind == PUSH}
+        assert crossing and all(src >= world for src in crossing), crossing
+    for c in clients:
+        c.close()
