@@ -64,7 +64,7 @@ class PSContext:
     """What ``get_ps_context()`` returns inside a PS training function.
 
     Attributes:
-        mode: "sync", "async" or "ssp".
+        mode: "sync", "async", "ssp" or "diloco".
         num_servers: Number of server shards.
         server_node_ids: The node id of each shard, in shard order.
         world_rank: This worker's rank.
