@@ -216,8 +216,8 @@ class SumShard(ShardBase):
         every chunk of one bucket that the worker sends to this shard.
 
         One call per (bucket, shard) rather than one per chunk: the chunks are small
-        where they cross nodes on the direct path (1 MiB), and a Ray call costs
-        about a millisecond of the worker's backward pass. Where the run has the
+        where they cross nodes on the direct path (1 MiB), and every Ray call costs
+        the worker's backward pass its submission (see docs/benchmarks.md). Where the run has the
         direct path the same call arrives as a local push frame on the shard's
         socket (:meth:`_on_frame`) instead of through Ray. Each chunk is read from
         the worker's input segment; its sum is left in the output segment of
