@@ -142,6 +142,26 @@ class ClientBase(abc.ABC):
     def close(self) -> None:  # noqa: B027 - a no-op by default, not abstract
         """Releases threads and shared memory (never raises)."""
 
+    def outer_state_dict(self) -> dict[str, Any]:
+        """The state the shards keep beside the parameters (``"diloco"``'s outer
+        optimizer), for a checkpoint.
+
+        Raises:
+            ValueError: This mode keeps none.
+        """
+        raise ValueError(
+            f"mode={self.settings.mode!r} keeps no outer optimizer state on the shards; "
+            "only mode='diloco' does."
+        )
+
+    def load_outer_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores what :meth:`outer_state_dict` returned.
+
+        Raises:
+            ValueError: This mode keeps none.
+        """
+        self.outer_state_dict()  # raises the same error
+
     # --- shared mechanics ----------------------------------------------------------
     def fail(self, error: BaseException) -> None:
         """Keeps the first error of a background round for :meth:`raise_pending`."""

@@ -111,6 +111,32 @@ class PSContext:
         for client in _CLIENTS:
             client.flush()
 
+    def outer_state_dict(self) -> list[dict[str, Any]]:
+        """``mode="diloco"``: the outer optimizer's state of every prepared model
+        (its momentum lives on the shards, not in the model's ``state_dict()``), to
+        save beside the model in a checkpoint.
+
+        Raises:
+            ValueError: In another mode (none keeps such a state).
+            PSTimeoutError: If a shard does not answer within ``ps_timeout_s``.
+        """
+        return [client.outer_state_dict() for client in _CLIENTS]
+
+    def load_outer_state_dict(self, states: Sequence[dict[str, Any]]) -> None:
+        """Restores what :meth:`outer_state_dict` returned, one entry per model in
+        preparation order; call it on every worker right after ``prepare_model``.
+
+        Raises:
+            ValueError: In another mode, or if the states do not fit the models.
+        """
+        if len(states) != len(_CLIENTS):
+            raise ValueError(
+                f"load_outer_state_dict() got {len(states)} model state(s) for "
+                f"{len(_CLIENTS)} prepared model(s); prepare every model first."
+            )
+        for client, state in zip(_CLIENTS, states):
+            client.load_outer_state_dict(state)
+
 
 # --- per-process registry -----------------------------------------------------------
 _RUN: RunInfo | None = None

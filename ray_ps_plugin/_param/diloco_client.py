@@ -27,7 +27,9 @@ the shards apply a round without the workers that finished.
 from __future__ import annotations
 
 import time
+from typing import Any
 
+import numpy as np
 import torch
 
 from ray_ps_plugin._client import ClientBase, ClientSetup
@@ -116,6 +118,54 @@ class DilocoClient(ParamClient):
         if not clean:
             self._since_round = 0
         super().finish(clean)
+
+    def outer_state_dict(self) -> dict[str, Any]:
+        """The outer momentum (the whole model's, gathered from every shard; ``None``
+        for ``"average"``) and the rounds applied, for a checkpoint."""
+        self.raise_pending()
+        handles = [
+            self._transport.call(s, "outer_state", self.model_id) for s in range(self.num_shards)
+        ]
+        slices = self._wait(handles, "reading the outer state")
+        rounds = min(r for _, r in slices)
+        if any(m is None for m, _ in slices):
+            return {"momentum": None, "rounds": rounds}
+        momentum = torch.from_numpy(np.concatenate([m for m, _ in slices]))
+        return {"momentum": momentum, "rounds": rounds}
+
+    def load_outer_state_dict(self, state: dict[str, Any]) -> None:
+        """Rank 0 hands a checkpoint's outer state to the shards (the others only
+        wait for it), before any round of this run: call it on every worker right
+        after ``prepare_model``.
+
+        Raises:
+            ValueError: ``state`` is not what :meth:`outer_state_dict` returns.
+        """
+        if not isinstance(state, dict) or set(state) != {"momentum", "rounds"}:
+            raise ValueError(
+                "load_outer_state_dict() takes what outer_state_dict() returned: a dict "
+                f"with 'momentum' and 'rounds', got {type(state).__name__}."
+            )
+        if self.rank != 0:
+            return
+        momentum = state["momentum"]
+        flat = None if momentum is None else momentum.detach().to(torch.float32).reshape(-1)
+        if flat is not None and flat.numel() != self._bounds[-1]:
+            raise ValueError(
+                f"the outer state has {flat.numel()} elements for a model of "
+                f"{self._bounds[-1]}; it belongs to another model."
+            )
+        handles = [
+            self._transport.call(
+                s,
+                "load_outer_state",
+                self.model_id,
+                None if flat is None else flat[a:b].numpy(),
+                int(state["rounds"]),
+            )
+            for s, (a, b) in enumerate(self._slices())
+        ]
+        self._wait(handles, "loading the outer state")
 
     def _round(self) -> None:
         """Pushes the change since the last global parameters; installs the new ones."""

@@ -15,8 +15,10 @@ those changes into the next global parameters:
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from ray_ps_plugin._errors import ShardProtocolError
 from ray_ps_plugin._param.outer import OuterState
 from ray_ps_plugin._param.shard import ParamShard, _ParamState
 from ray_ps_plugin._types import Compression, OuterOptimizer
@@ -86,6 +88,33 @@ class DilocoShard(ParamShard):
         if state.slowest() >= outer.collecting:
             assert state.params is not None
             outer.close_round(state.params)
+
+    async def outer_state(self, model: int) -> tuple[np.ndarray | None, int]:
+        """This slice's outer momentum (fp32; ``None`` for ``"average"``) and the
+        rounds applied, for a checkpoint."""
+        self._check(model, 0)
+        state = self._model(model)
+        await self._wait_initialised(state, model, 0)
+        outer = self._outer_state(model, state)
+        m = outer.momentum
+        return (None if m is None else m.numpy().copy()), outer.rounds
+
+    async def load_outer_state(self, model: int, momentum: np.ndarray | None, rounds: int) -> None:
+        """Restores this slice's outer momentum and round count from a checkpoint.
+
+        Raises:
+            ShardProtocolError: The state does not fit this slice (see
+                :meth:`OuterState.load`).
+        """
+        self._check(model, 0)
+        state = self._model(model)
+        await self._wait_initialised(state, model, 0)
+        try:
+            self._outer_state(model, state).load(
+                None if momentum is None else torch.from_numpy(momentum), rounds
+            )
+        except ValueError as e:
+            raise ShardProtocolError(f"shard {self.shard_index}: model {model}: {e}") from None
 
     async def finish(self, model: int, rank: int) -> None:
         """Marks a finished worker; a round it will not send is applied without it."""

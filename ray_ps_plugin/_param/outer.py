@@ -57,6 +57,34 @@ class OuterState:
         self.collecting = 0  # synchronous rounds: the clock of the round in ``_sum``
 
     @property
+    def momentum(self) -> torch.Tensor | None:
+        """The momentum of changes (``"nesterov"``), or ``None`` (``"average"``)."""
+        return self._m
+
+    def load(self, momentum: torch.Tensor | None, rounds: int) -> None:
+        """Restores the momentum and round count of a checkpoint.
+
+        Raises:
+            ValueError: The momentum's size differs from the slice's, or only one of
+                the two states has a momentum (another outer optimizer).
+        """
+        if (momentum is None) != (self._m is None):
+            raise ValueError(
+                f"the checkpoint's outer state {'has no' if momentum is None else 'has a'} "
+                f"momentum, but outer_optimizer={self.kind!r} "
+                f"{'keeps one' if self._m is not None else 'keeps none'}."
+            )
+        if momentum is not None and self._m is not None:
+            if momentum.numel() != self._m.numel():
+                raise ValueError(
+                    f"the checkpoint's outer momentum has {momentum.numel()} elements for "
+                    f"a slice of {self._m.numel()}: it belongs to another model or shard "
+                    "count."
+                )
+            self._m.copy_(momentum)
+        self.rounds = rounds
+
+    @property
     def pending(self) -> int:
         """Changes received and not yet turned into a round."""
         return self._count

@@ -72,6 +72,14 @@ def resumable_loop(config: dict[str, Any]) -> None:
     if opt_state is not None:
         opt.load_state_dict(opt_state)
     ctx = get_ps_context()
+    if checkpoint and ctx is not None and state.get("outer") is not None:
+        # DiLoCo: the outer momentum lives on the shards; the checkpoint carries it.
+        ctx.load_outer_state_dict(state["outer"])
+        ray.train.collective.barrier()  # rank 0 has handed it to the shards
+        if rank == 1:
+            got, want = ctx.outer_state_dict()[0]["momentum"], state["outer"][0]["momentum"]
+            diff = (got - want).abs().max().item()
+            Path(config["marker_dir"], "restored_outer_vs_checkpoint").write_text(repr(diff))
     if checkpoint and ctx is not None and ctx.mode != "sync":
         if rank == 1:  # not the rank that seeded the shards
             probe = _server_vs(model, state["model"])
@@ -134,6 +142,9 @@ def resumable_loop(config: dict[str, Any]) -> None:
                             "model": model.module.state_dict(),
                             "optimizer": opt.state_dict(),
                             "step": step + 1,
+                            "outer": ctx.outer_state_dict()
+                            if ctx is not None and ctx.mode == "diloco"
+                            else None,
                         },
                         f"{d}/state.pt",
                     )

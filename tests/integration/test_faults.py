@@ -302,7 +302,8 @@ def test_preemption_checkpoints_the_shards_and_resumes_losing_at_most_one_step(
 @pytest.mark.parametrize(
     "ps",
     # DiLoCo: a round every 4 steps, and the loop's flush() before every checkpoint
-    # (each 5 steps) sends a shorter one on every worker.
+    # (each 5 steps) sends a shorter one on every worker; the checkpoint holds the
+    # outer state (get_ps_context().outer_state_dict()).
     [{"mode": "async"}, {"mode": "diloco", "local_steps": 4}],
     ids=["async", "diloco"],
 )
@@ -314,6 +315,10 @@ def test_stale_mode_restart_seeds_the_servers_from_the_checkpoint(tmp_path, ps):
     # Rank 1 (which did not seed them) read the restarted shards: exactly the checkpoint.
     probe = tmp_path / f"markers-{name}" / "restored_server_vs_checkpoint"
     assert float(probe.read_text()) == 0.0
+    if ps["mode"] == "diloco":
+        # The checkpoint carried the outer momentum; the new shards hold exactly it.
+        outer = tmp_path / f"markers-{name}" / "restored_outer_vs_checkpoint"
+        assert float(outer.read_text()) == 0.0
     _no_leaks()
 
 

@@ -306,3 +306,40 @@ def test_a_checkpoint_between_rounds_keeps_the_local_steps(loop):
     models[0].state_dict()  # its pre-hook must not pull the older global parameters
     torch.testing.assert_close(_flat(models[0]), before, rtol=0, atol=0)
     assert clients[0].snapshot().clock == 0
+
+
+def test_a_restore_with_the_outer_state_continues_exactly(loop):
+    """Two rounds, then a checkpoint of the parameters and the outer state; fresh
+    shards restored from both take the third round exactly as the first run does."""
+    world, h = 2, 2
+    data = _data(world, 3 * h)
+    first = [[b for b in d[: 2 * h]] for d in data]
+    third = [[b for b in d[2 * h :]] for d in data]
+    _, models, clients = _setup(loop, world, shards=2, shared=False, local_steps=h)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    _run_workers(models, clients, opts, first, finish=False)
+    params = _flat(models[0]).clone()
+    outer = clients[0].outer_state_dict()
+    assert outer["rounds"] == 2 and outer["momentum"].abs().sum() > 0
+    _run_workers(models, clients, opts, third)
+    uninterrupted = _flat(models[0])
+
+    _, restored, clients2 = _setup(loop, world, shards=2, shared=False, local_steps=h)
+    for m in restored:
+        torch.nn.utils.vector_to_parameters(params.clone(), m.parameters())
+    for c in clients2:
+        c._snapshot_params()
+    clients2[0].reseed()  # rank 0's loaded parameters reach the new shards
+    for c in clients2:
+        c.load_outer_state_dict(outer)
+    opts2 = [torch.optim.SGD(m.parameters(), lr=0.1) for m in restored]
+    _run_workers(restored, clients2, opts2, third)
+    torch.testing.assert_close(_flat(restored[0]), uninterrupted, rtol=0, atol=1e-6)
+
+
+def test_an_outer_state_of_another_model_is_refused(loop):
+    _, _, clients = _setup(loop, 1, shards=1, shared=False)
+    with pytest.raises(ValueError, match="belongs to another model"):
+        clients[0].load_outer_state_dict({"momentum": torch.zeros(3), "rounds": 0})
+    with pytest.raises(ValueError, match="takes what outer_state_dict"):
+        clients[0].load_outer_state_dict({"m": 1})
