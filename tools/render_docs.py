@@ -894,9 +894,9 @@ def diloco_points(variant: str) -> str:
 
 
 def net_bytes_fraction(variant: str, result: str) -> str:
-    """Rank 0's link bytes per step of ``variant`` as a fraction of DDP's, e.g. ``1/37``."""
+    """Rank 0's link bytes per step of ``variant`` as a fraction of DDP's, e.g. ``1/37.2``."""
     mb = _json(result)["rank0_link_mb_per_step"]
-    return f"1/{mb['ddp'] / mb[variant]:.0f}"
+    return f"1/{mb['ddp'] / mb[variant]:.1f}"
 
 
 # --- the markers -----------------------------------------------------------------------
