@@ -99,3 +99,4 @@ class RunSettings(Protocol):
     outer_lr: float | None
     outer_momentum: float
     diloco_rounds: RoundMode
+    diloco_overlap: bool

@@ -136,6 +136,10 @@ class PSConfig(TorchConfig):
             before anyone's round k + 1 starts) or ``"async"`` (each worker's change
             is applied as it arrives, with the momentum delayed to every W-th
             arrival; ``staleness`` bounds how many rounds a worker may run ahead).
+        diloco_overlap: ``"diloco"``: whether a round's transfer overlaps the next
+            round's local steps (one round of delay: the answer is installed at the
+            end of the next round, plus the local progress since). Hides the
+            transfer; changes the maths, so off by default.
         backend: Torch process-group backend (see TorchConfig). The PS strategy still
             starts one, because DDP's constructor broadcasts rank 0's initial
             parameters and buffers through it.
@@ -165,6 +169,7 @@ class PSConfig(TorchConfig):
     outer_lr: float | None = None
     outer_momentum: float = 0.9
     diloco_rounds: RoundMode = "sync"
+    diloco_overlap: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("strategy", self.strategy, STRATEGIES)
@@ -182,7 +187,7 @@ class PSConfig(TorchConfig):
             _check_choice("compression", self.compression, COMPRESSIONS)
         _check_choice("server_placement", self.server_placement, SERVER_PLACEMENTS)
         _check_choice("data_path", self.data_path, DATA_PATHS)
-        for name in ("shared_memory", "node_aggregation"):
+        for name in ("shared_memory", "node_aggregation", "diloco_overlap"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(
@@ -246,7 +251,14 @@ class PSConfig(TorchConfig):
         return {**super().to_dict(), **own}
 
 
-_DILOCO_FIELDS = ("local_steps", "outer_optimizer", "outer_lr", "outer_momentum", "diloco_rounds")
+_DILOCO_FIELDS = (
+    "local_steps",
+    "outer_optimizer",
+    "outer_lr",
+    "outer_momentum",
+    "diloco_rounds",
+    "diloco_overlap",
+)
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:

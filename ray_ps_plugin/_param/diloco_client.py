@@ -12,12 +12,13 @@ untouched, for ``local_steps`` (H) steps. After the H-th step the client:
    ``staleness`` rounds behind (asynchronous rounds);
 3. installs them into the model: the next round starts from them.
 
-The transfer does not overlap the inner steps: a worker waits for its round's
-reply. One round of delay would hide it (train round k + 1 while round k travels,
-then add the local progress onto the late reply) but it changes the maths: a
-round's change would be computed from parameters the shards never held, and
-``local_steps=1`` with plain averaging would no longer be synchronous SGD. With H
-steps per transfer the wait is a small share of a round (see the benchmarks).
+By default the transfer does not overlap the inner steps: a worker waits for its
+round's reply. ``diloco_overlap=True`` hides it with one round of delay: round
+k + 1 trains while round k travels, and at its end the worker installs round k's
+answer plus its own progress since, then pushes that progress. It changes the
+maths (a round's change is computed from parameters the shards never held, so
+``local_steps=1`` with plain averaging is no longer synchronous SGD), which is
+why it is opt-in.
 
 A training function that ends between two rounds sends its last, shorter round
 from :meth:`flush` (which the end of the loop calls too), so no local step is lost;
@@ -34,7 +35,7 @@ import torch
 
 from ray_ps_plugin._client import ClientBase, ClientSetup
 from ray_ps_plugin._nonfinite import all_finite
-from ray_ps_plugin._param.client import ParamClient
+from ray_ps_plugin._param.client import ParamClient, _InFlight
 from ray_ps_plugin._transport import Transport
 
 __all__ = ["DilocoClient"]
@@ -54,6 +55,10 @@ class DilocoClient(ParamClient):
     def __init__(self, setup: ClientSetup, transport: Transport) -> None:
         super().__init__(setup, transport)
         self._local_steps = setup.settings.local_steps
+        self._overlap = setup.settings.diloco_overlap
+        # With overlap a round's reply is installed plus this worker's whole local
+        # progress since the push (ParamClient's install adds ``delta * _scale``).
+        self._scale = 1.0
         self._since_round = 0  # optimizer steps since the global parameters came in
         self._steps = 0
 
@@ -91,9 +96,10 @@ class DilocoClient(ParamClient):
         end of its loop), so call it on every worker, as the final-checkpoint recipe
         does (``flush()``, barrier, save on rank 0).
         """
-        super().flush()
+        self.raise_pending()
         if self._since_round:
             self._round()
+        super().flush()  # with overlap: waits for the last round and installs it
 
     def sync(self) -> None:
         """Before ``state_dict()``: leaves the parameters as they are.
@@ -168,7 +174,11 @@ class DilocoClient(ParamClient):
         self._wait(handles, "loading the outer state")
 
     def _round(self) -> None:
-        """Pushes the change since the last global parameters; installs the new ones."""
+        """Pushes the change since the last global parameters; installs the new ones
+        (with overlap: the previous round's, plus the local steps since)."""
+        if self._overlap:
+            self._overlapped_round()
+            return
         self._since_round = 0
         self._take_delta()
         handles = self._push()
@@ -183,6 +193,23 @@ class DilocoClient(ParamClient):
         with self._lock:
             self._stats.staleness_max = max(self._stats.staleness_max, gap)
             self._stats.staleness_mean = self._gaps_sum / self._samples
+
+    def _overlapped_round(self) -> None:
+        """One round of delay: installs the answer to the previous round's push (it
+        travelled during this round's local steps) plus the local progress since
+        that push, then pushes that progress without waiting for its answer."""
+        self._since_round = 0
+        previous = None
+        if self._inflight is not None:
+            started = time.perf_counter()
+            previous = self._wait(self._inflight.handles, f"round {self._inflight.clock}")
+            with self._lock:
+                self._stats.wait_s += time.perf_counter() - started
+        # The same pass as async's step: delta = params - base, params = answer +
+        # delta, base = params; the answer is in the previous round's output slot.
+        self._advance(None if self._installed else previous, self._clock % 2)
+        self._inflight = _InFlight(self._clock + 1, self._push(), time.perf_counter())
+        self._installed = False
 
     def _take_delta(self) -> None:
         """``delta = params - global`` into the push buffers, per (parameter, shard)

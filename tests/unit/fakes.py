@@ -179,13 +179,14 @@ class Settings:
         outer_lr=None,
         outer_momentum=0.9,
         diloco_rounds="sync",
+        diloco_overlap=False,
     ):
         self.mode, self.staleness, self.chunk_bytes = mode, staleness, chunk_bytes
         self.ps_timeout_s, self.nan_policy = ps_timeout_s, nan_policy
         self.compression, self.shared_memory = compression, shared_memory
         self.local_steps, self.outer_optimizer = local_steps, outer_optimizer
         self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
-        self.diloco_rounds = diloco_rounds
+        self.diloco_rounds, self.diloco_overlap = diloco_rounds, diloco_overlap
 
 
 def setup_for(module, rank, world, num_shards, settings, local=(), remote=frozenset(), model_id=0):

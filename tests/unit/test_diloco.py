@@ -109,6 +109,8 @@ def test_diloco_defaults_are_the_papers():
         ),
         ({"mode": "diloco", "diloco_rounds": "async"}, ValueError, "needs staleness >= 1"),
         ({"mode": "diloco", "staleness": 1}, ValueError, "diloco_rounds='async'"),
+        ({"mode": "sync", "diloco_overlap": True}, ValueError, "diloco_overlap=True only"),
+        ({"mode": "diloco", "diloco_overlap": "yes"}, TypeError, "diloco_overlap must be"),
     ],
 )
 def test_bad_diloco_fields_are_refused_with_the_fix(kwargs, error, match):
@@ -343,3 +345,46 @@ def test_an_outer_state_of_another_model_is_refused(loop):
         clients[0].load_outer_state_dict({"momentum": torch.zeros(3), "rounds": 0})
     with pytest.raises(ValueError, match="takes what outer_state_dict"):
         clients[0].load_outer_state_dict({"m": 1})
+
+
+def test_with_overlap_a_round_does_not_wait_for_its_answer(loop):
+    """One round of delay: while the shards' answers are held back, the worker keeps
+    stepping through the next round; it waits only at the end of that round."""
+    servers, models, clients = _setup(
+        loop, 1, shards=1, shared=False, local_steps=2, diloco_overlap=True
+    )
+    transport = clients[0]._transport
+    opt = torch.optim.SGD(models[0].parameters(), lr=0.1)
+    data = _data(1, 6)[0]
+    transport.hold()
+    worker = threading.Thread(
+        target=lambda: [_step(models[0], opt, clients[0], x, y) for x, y in data[:3]]
+    )
+    worker.start()
+    worker.join(5)
+    assert not worker.is_alive(), "round 1's push must not block the next local steps"
+    assert clients[0].snapshot().clock == 1
+    transport.release()
+    for x, y in data[3:]:
+        _step(models[0], opt, clients[0], x, y)
+    clients[0].flush()
+    # After flush() the model holds the shards' parameters: every step is in them.
+    reply = loop.run(servers[0].pull(0, 0, clients[0].snapshot().clock)).result(5)
+    torch.testing.assert_close(_flat(models[0]), torch.from_numpy(reply.params))
+    assert clients[0].snapshot().clock == 3
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlap"])
+def test_overlapped_rounds_end_with_every_worker_on_the_global_parameters(loop, overlap):
+    world = 2
+    servers, models, clients = _setup(
+        loop, world, shards=2, shared=True, local_steps=3, diloco_overlap=overlap
+    )
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
+    data = _data(world, 10)
+    x, y = torch.cat([b[0] for d in data for b in d]), torch.cat([b[1] for d in data for b in d])
+    before = torch.nn.functional.mse_loss(models[0](x), y).item()
+    _run_workers(models, clients, opts, data)
+    torch.testing.assert_close(_flat(models[0]), _flat(models[1]), rtol=0, atol=0)
+    assert torch.nn.functional.mse_loss(models[0](x), y).item() < before
+    assert [c.snapshot().clock for c in clients] == [4, 4]  # steps 3, 6, 9 and 10
