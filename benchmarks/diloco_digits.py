@@ -7,7 +7,8 @@ and seeds, so every variant sees the same number of samples:
 - ``ddp``, ``ps_sync``: the baselines (all-reduce, sync parameter servers);
 - ``diloco_h{1,8,32,128}``: ``mode="diloco"``, synchronous rounds, Nesterov outer
   step with the paper's defaults (lr 0.7, momentum 0.9); at H = 32 also half that
-  outer lr (``diloco_h32_olr0.35``) and plain averaging (``diloco_h32_average``);
+  outer lr (``diloco_h32_olr0.35``), plain averaging (``diloco_h32_average``) and
+  one round of delay (``diloco_h32_overlap``);
 - with a straggler (rank 1 sleeps ``--sleep-ms`` after every step):
   ``ddp_straggler``, ``diloco_h32_straggler`` (synchronous rounds) and
   ``diloco_async_h32_straggler`` (asynchronous rounds, staleness 2).
@@ -66,6 +67,7 @@ VARIANTS: dict[str, tuple[dict[str, Any], bool]] = {
     # The outer step's knobs at H = 32: half the outer lr; plain averaging (local SGD).
     "diloco_h32_olr0.35": (_diloco(32, outer_lr=0.35), False),
     "diloco_h32_average": (_diloco(32, outer_optimizer="average"), False),
+    "diloco_h32_overlap": (_diloco(32, diloco_overlap=True), False),
     "ddp_straggler": ({"strategy": "ddp"}, True),
     "diloco_h32_straggler": (_diloco(32), True),
     "diloco_async_h32_straggler": (_diloco(32, diloco_rounds="async", staleness=2), True),
