@@ -865,9 +865,9 @@ def chaos_table() -> str:
 
 
 # --- DiLoCo (benchmarks/diloco_digits.py, and the diloco variants of net_step_time) ----
-def diloco_digits_table() -> str:
+def diloco_digits_table(result: str = "diloco_digits") -> str:
     """Final digits accuracy (mean over seeds) and wall time of every variant."""
-    d = _json("diloco_digits")
+    d = _json(result)
     below = d["points_below_ddp"]
     rows = [
         [
@@ -884,14 +884,14 @@ def diloco_digits_table() -> str:
         "points below DDP (with the straggler: below DDP with it)",
         "wall time (s)",
     ]
-    return _provenance("diloco_digits", "diloco_digits", "diloco_digits.json") + (
+    return _provenance(result, "diloco_digits", f"{result}.json") + (
         "\n\n" + _table(header, rows)
     )
 
 
-def diloco_points(variant: str) -> str:
+def diloco_points(variant: str, result: str = "diloco_digits") -> str:
     """Points of final digits accuracy a variant lies below DDP's, e.g. ``0.3``."""
-    return f"{_json('diloco_digits')['points_below_ddp'][variant]:.1f}"
+    return f"{_json(result)['points_below_ddp'][variant]:.1f}"
 
 
 def net_bytes_fraction(variant: str, result: str) -> str:
