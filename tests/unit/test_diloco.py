@@ -377,7 +377,7 @@ def test_with_overlap_a_round_does_not_wait_for_its_answer(loop):
 @pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlap"])
 def test_overlapped_rounds_end_with_every_worker_on_the_global_parameters(loop, overlap):
     world = 2
-    servers, models, clients = _setup(
+    _, models, clients = _setup(
         loop, world, shards=2, shared=True, local_steps=3, diloco_overlap=overlap
     )
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
