@@ -884,9 +884,7 @@ def diloco_digits_table(result: str = "diloco_digits") -> str:
         "points below DDP (with the straggler: below DDP with it)",
         "wall time (s)",
     ]
-    return _provenance(result, "diloco_digits", f"{result}.json") + (
-        "\n\n" + _table(header, rows)
-    )
+    return _provenance(result, "diloco_digits", f"{result}.json") + ("\n\n" + _table(header, rows))
 
 
 def diloco_points(variant: str, result: str = "diloco_digits") -> str:
