@@ -218,15 +218,9 @@ class ParamClient(ClientBase):
             with self._lock:
                 self._stats.wait_s += time.perf_counter() - started
         if self._counted_step != self._clock:
-            # One staleness sample per step: how many clocks the slowest worker's
-            # contribution lags behind this worker's.
+            # One staleness sample per step.
             self._counted_step = self._clock
-            gap = self._clock - self._stamp
-            self._gaps_sum += gap
-            self._samples += 1
-            with self._lock:
-                self._stats.staleness_max = max(self._stats.staleness_max, gap)
-                self._stats.staleness_mean = self._gaps_sum / self._samples
+            self._sample_staleness()
 
     def after_step(self) -> None:
         """Pushes this step's delta to every shard and installs the newest reply plus
@@ -237,10 +231,7 @@ class ParamClient(ClientBase):
             # The shards apply a worker's updates in clock order; Ray does not order
             # calls to an asyncio actor, so the previous push must be confirmed first
             # (which also frees the shared-memory input the delta is written to).
-            started = time.perf_counter()
-            previous = self._wait(self._inflight.handles, f"clock {self._inflight.clock}")
-            with self._lock:
-                self._stats.wait_s += time.perf_counter() - started
+            previous = self._wait_counted(self._inflight.handles, f"clock {self._inflight.clock}")
         # Train on the newest parameters at hand (the previous push's reply, which
         # holds every earlier step of this worker) plus this step counted as the
         # shards count it. Adding the whole step instead would run the worker ahead
@@ -485,6 +476,24 @@ class ParamClient(ClientBase):
         """Copies ``_base`` into the parameters (host to device for GPU ones)."""
         for o, p in zip(self._offsets, self._params):
             p.detach().copy_(self._base[o : o + p.numel()].view(p.shape))
+
+    def _sample_staleness(self) -> None:
+        """Counts one staleness sample: how many clocks the slowest worker's
+        contribution in the installed parameters lags behind this worker's."""
+        gap = self._clock - self._stamp
+        self._gaps_sum += gap
+        self._samples += 1
+        with self._lock:
+            self._stats.staleness_max = max(self._stats.staleness_max, gap)
+            self._stats.staleness_mean = self._gaps_sum / self._samples
+
+    def _wait_counted(self, handles: list[Any], what: str) -> list[Any]:
+        """:meth:`_wait`, with the time blocked added to ``PSStats.wait_s``."""
+        started = time.perf_counter()
+        results = self._wait(handles, what)
+        with self._lock:
+            self._stats.wait_s += time.perf_counter() - started
+        return results
 
     def _wait(self, handles: list[Any], what: str) -> list[Any]:
         shards = list(range(len(handles)))

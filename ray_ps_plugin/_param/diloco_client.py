@@ -62,11 +62,6 @@ class DilocoClient(ParamClient):
         self._since_round = 0  # optimizer steps since the global parameters came in
         self._steps = 0
 
-    @classmethod
-    def build(cls, setup: ClientSetup, transport: Transport) -> DilocoClient:
-        """The client of one prepared model (the mode table's constructor)."""
-        return cls(setup, transport)
-
     @property
     def next_step(self) -> int:
         """The optimizer step the next update will complete."""
@@ -182,17 +177,8 @@ class DilocoClient(ParamClient):
         self._since_round = 0
         self._take_delta()
         handles = self._push()
-        started = time.perf_counter()
-        replies = self._wait(handles, f"round {self._clock}")
-        with self._lock:
-            self._stats.wait_s += time.perf_counter() - started
-        self._install(replies, self._clock % 2)
-        gap = self._clock - self._stamp
-        self._gaps_sum += gap
-        self._samples += 1
-        with self._lock:
-            self._stats.staleness_max = max(self._stats.staleness_max, gap)
-            self._stats.staleness_mean = self._gaps_sum / self._samples
+        self._install(self._wait_counted(handles, f"round {self._clock}"), self._clock % 2)
+        self._sample_staleness()
 
     def _overlapped_round(self) -> None:
         """One round of delay: installs the answer to the previous round's push (it
@@ -201,10 +187,7 @@ class DilocoClient(ParamClient):
         self._since_round = 0
         previous = None
         if self._inflight is not None:
-            started = time.perf_counter()
-            previous = self._wait(self._inflight.handles, f"round {self._inflight.clock}")
-            with self._lock:
-                self._stats.wait_s += time.perf_counter() - started
+            previous = self._wait_counted(self._inflight.handles, f"round {self._inflight.clock}")
         # The same pass as async's step: delta = params - base, params = answer +
         # delta, base = params; the answer is in the previous round's output slot.
         self._advance(None if self._installed else previous, self._clock % 2)
