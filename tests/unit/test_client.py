@@ -68,6 +68,28 @@ def _clients(
     return clients, transport
 
 
+def _assert_one_step_gives_the_mean(clients, grads):
+    """Every worker, in its own thread, hooks its buckets (``grads[rank]``, one tensor
+    per bucket) through its client; each must get back the mean over workers."""
+    world = len(clients)
+    results: dict[int, list[torch.Tensor]] = {}
+
+    def worker(rank):
+        bufs = [g.clone() for g in grads[rank]]
+        futs = [clients[rank].hook(None, FakeBucket(i, b)) for i, b in enumerate(bufs)]
+        results[rank] = [f.wait() for f in futs]
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for i in range(len(grads[0])):
+        expected = sum(grads[r][i] for r in range(world)) / world
+        for r in range(world):
+            torch.testing.assert_close(results[r][i], expected)
+
+
 @pytest.mark.parametrize(
     "local",
     [
@@ -91,22 +113,7 @@ def test_buckets_come_back_as_the_mean_over_workers(loop, local):
         ]
         for r in range(world)
     }
-    results: dict[int, list[torch.Tensor]] = {}
-
-    def worker(rank):
-        bufs = [g.clone() for g in grads[rank]]
-        futs = [clients[rank].hook(None, FakeBucket(i, b)) for i, b in enumerate(bufs)]
-        results[rank] = [f.wait() for f in futs]
-
-    threads = [threading.Thread(target=worker, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    for i in range(len(numels)):
-        expected = sum(grads[r][i] for r in range(world)) / world
-        for r in range(world):
-            torch.testing.assert_close(results[r][i], expected)
+    _assert_one_step_gives_the_mean(clients, grads)
 
     stats = clients[0].snapshot()
     assert stats.steps == 1 and stats.bytes_pushed == total and stats.bytes_pulled == total
@@ -479,22 +486,7 @@ def test_the_direct_path_carries_chunks_and_notices_and_sums_stay_right(
         ]
         for r in range(world)
     }
-    results = {}
-
-    def worker(rank):
-        bufs = [g.clone() for g in grads[rank]]
-        futs = [clients[rank].hook(None, FakeBucket(i, b)) for i, b in enumerate(bufs)]
-        results[rank] = [f.wait() for f in futs]
-
-    threads = [threading.Thread(target=worker, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    for i in range(len(numels)):
-        expected = sum(grads[r][i] for r in range(world)) / world
-        for r in range(world):
-            torch.testing.assert_close(results[r][i], expected)
+    _assert_one_step_gives_the_mean(clients, grads)
     kinds = {kind for _, kind, _ in transport.direct.frames}
     assert kinds == {PUSH, LOCAL}, kinds  # data frames and notices both took the path
     assert not transport.pushes(), "no chunk went through a Ray call"
