@@ -41,6 +41,26 @@ def digits_split(seed: int = 0) -> tuple[torch.Tensor, ...]:
     return x[:cut], y[:cut], x[cut:], y[cut:]
 
 
+def prepared_digits(seed: int, lr: float) -> tuple[Any, ...]:
+    """Inside a Train worker: this rank's share of the digits training split, the
+    test split, and the prepared digits MLP with SGD (momentum 0.9).
+
+    Returns:
+        ``(rank, xtr, ytr, xte, yte, model, optimizer)``.
+    """
+    import ray.train
+    import ray.train.torch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    xtr, ytr, xte, yte = digits_split()
+    model = ray.train.torch.prepare_model(digits_mlp())
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    return rank, xtr[rank::world], ytr[rank::world], xte, yte, model, opt
+
+
 def code_commit() -> str:
     """The commit the benchmark runs (``-dirty`` when the package, the benchmarks or
     the examples differ from it), or ``"unknown"`` outside a git checkout."""

@@ -76,14 +76,7 @@ VARIANTS: dict[str, tuple[dict[str, Any], bool]] = {
 
 def digits_loop(config: dict[str, Any]) -> None:
     """Trains the digits MLP; rank 0 records (step, seconds, test accuracy)."""
-    torch.set_num_threads(1)
-    torch.manual_seed(config["seed"])
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    xtr, ytr, xte, yte = _common.digits_split()
-    xtr, ytr = xtr[rank::world], ytr[rank::world]
-    model = ray.train.torch.prepare_model(_common.digits_mlp())
-    opt = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9)
+    rank, xtr, ytr, xte, yte, model, opt = _common.prepared_digits(config["seed"], config["lr"])
     sleep_s = config["sleep_s"] if rank == 1 else 0.0
     g = torch.Generator().manual_seed(config["seed"] * 100 + rank)
     ps = get_ps_context()

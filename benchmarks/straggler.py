@@ -126,14 +126,7 @@ def throughput_loop(config: dict[str, Any]) -> None:
 
 def digits_loop(config: dict[str, Any]) -> None:
     """Digits with the straggler; rank 0 records (seconds, test accuracy)."""
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    xtr, ytr, xte, yte = _common.digits_split()
-    xtr, ytr = xtr[rank::world], ytr[rank::world]
-    model = ray.train.torch.prepare_model(_common.digits_mlp())
-    opt = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9)
+    rank, xtr, ytr, xte, yte, model, opt = _common.prepared_digits(0, config["lr"])
     sleep_s = config["sleep_s"] if rank == 1 else 0.0
     g = torch.Generator().manual_seed(rank)
     curve = []
