@@ -460,6 +460,7 @@ class SumClient(ClientBase):
         them in place) and counts and checks them."""
         bucket = item.bucket
         dtype = _np_dtype(bucket)
+        held, encoded = storage(dtype), self._codec.encoded_np_dtype(dtype)
         lane = self._lanes.get(target)
         for i in indices:
             p = item.pieces[i]
@@ -467,10 +468,9 @@ class SumClient(ClientBase):
                 got.nbytes += p.numel * bucket.element_size()  # DDP reads it in place
                 continue
             if lane is not None:
-                r = lane.outputs[item.step % 2].view(p.key - lane.lo, storage(dtype), p.numel)
+                r = lane.outputs[item.step % 2].view(p.key - lane.lo, held, p.numel)
                 bucket[p.start : p.stop].copy_(as_torch(r))
             else:
-                encoded = self._codec.encoded_np_dtype(dtype)
                 r = result.view(encoded) if result.dtype == np.uint8 else result
                 bucket[p.start : p.stop].copy_(self._codec.decode(r, bucket.dtype))
             if self.guard.policy != "ignore" and got.finite:
