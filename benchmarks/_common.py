@@ -8,6 +8,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from datetime import date
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -140,3 +141,32 @@ def prepared_mlp_steps(
         if step >= config["warmup"]:
             times.append(time.perf_counter() - t0)
     return model, times
+
+
+def link_bytes(ifname: str | None) -> int | None:
+    """Bytes sent plus received so far on ``ifname`` (``None`` if unreadable).
+
+    In the test bed each worker runs in its node's network namespace, so this is
+    exactly the traffic of that node's shaped link.
+    """
+    if not ifname:
+        return None
+    try:
+        base = Path("/sys/class/net", ifname, "statistics")
+        return int((base / "tx_bytes").read_text()) + int((base / "rx_bytes").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def check_placement(name: str, workers: list[dict[str, Any]], args: Any) -> None:
+    """Refuses a run whose workers did not land ``args.workers_per_node`` on each of
+    ``args.nodes`` nodes (each worker reports its ``node_id``)."""
+    per_node: dict[str, int] = {}
+    for w in workers:
+        per_node[w["node_id"]] = per_node.get(w["node_id"], 0) + 1
+    wanted = [args.workers_per_node] * args.nodes
+    if sorted(per_node.values()) != wanted:
+        raise RuntimeError(
+            f"{name}: workers landed {per_node} (node id: count), not {args.workers_per_node} "
+            f"on each of {args.nodes} nodes; give each node enough CPUs"
+        )

@@ -113,21 +113,6 @@ VARIANTS: dict[str, tuple[dict[str, Any], str | None, bool]] = {
 DEFAULT_VARIANTS = "ddp,ddp_bf16,ps_sync,ps_sync_bf16"
 
 
-def _link_bytes(ifname: str | None) -> int | None:
-    """Bytes sent plus received so far on ``ifname`` (``None`` if unreadable).
-
-    In the test bed each worker runs in its node's network namespace, so this is
-    exactly the traffic of that node's shaped link.
-    """
-    if not ifname:
-        return None
-    try:
-        base = Path("/sys/class/net", ifname, "statistics")
-        return int((base / "tx_bytes").read_text()) + int((base / "rx_bytes").read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def _retransmits() -> int | None:
     """TCP segments retransmitted so far in this network namespace (the node's)."""
     try:
@@ -147,9 +132,11 @@ def bench_loop(config: dict[str, Any]) -> None:
     model, times = _common.prepared_mlp_steps(
         config,
         lr=1e-3,
-        on_timed_start=lambda: start.update(bytes=_link_bytes(ifname), retrans=_retransmits()),
+        on_timed_start=lambda: start.update(
+            bytes=_common.link_bytes(ifname), retrans=_retransmits()
+        ),
     )
-    end, retrans = _link_bytes(ifname), _retransmits()
+    end, retrans = _common.link_bytes(ifname), _retransmits()
     ctx = ray.train.get_context()
     mine = {
         "rank": ctx.get_world_rank(),
@@ -216,7 +203,7 @@ def run_variant(name: str, args: argparse.Namespace, storage: str) -> dict[str, 
         run_config=RunConfig(storage_path=storage, name=f"{name}-{time.time_ns()}"),
     ).fit()
     metrics = dict(result.metrics)
-    _check_placement(name, metrics["workers"], args)
+    _common.check_placement(name, metrics["workers"], args)
     return metrics
 
 
@@ -228,18 +215,6 @@ def _run_traced(name: str, args: argparse.Namespace, storage: str) -> dict[str, 
         metrics = run_variant(name, args, storage)
     metrics["link_trace"] = _linktrace.summarize(sampler.samples, args.steps)
     return metrics
-
-
-def _check_placement(name: str, workers: list[dict[str, Any]], args: argparse.Namespace) -> None:
-    per_node: dict[str, int] = {}
-    for w in workers:
-        per_node[w["node_id"]] = per_node.get(w["node_id"], 0) + 1
-    wanted = [args.workers_per_node] * args.nodes
-    if sorted(per_node.values()) != wanted:
-        raise RuntimeError(
-            f"{name}: workers landed {per_node} (node id: count), not {args.workers_per_node} "
-            f"on each of {args.nodes} nodes; give each node enough CPUs"
-        )
 
 
 def main() -> None:

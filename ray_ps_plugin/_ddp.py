@@ -51,8 +51,8 @@ def check_supported(module: torch.nn.Module, compression: Compression | None = N
         compression: The run's ``PSConfig.compression``.
 
     Raises:
-        ValueError: If a layer produces sparse gradients, or bfloat16 parameters
-            would travel as fp16 (``compression="fp16"``: fp16 lacks bf16's range).
+        ValueError: If bfloat16 parameters would travel as fp16
+            (``compression="fp16"``: fp16 lacks bf16's range).
     """
     bf16 = [
         n for n, p in module.named_parameters() if p.requires_grad and p.dtype == torch.bfloat16
@@ -63,17 +63,6 @@ def check_supported(module: torch.nn.Module, compression: Compression | None = N
             "PSConfig.compression='fp16' would send them as fp16, which overflows beyond "
             "65504 where bf16 does not. bfloat16 parameters already travel as 16-bit: "
             "use compression=None or 'bf16'."
-        )
-    sparse = [
-        name
-        for name, m in module.named_modules()
-        if getattr(m, "sparse", False) is True and any(p.requires_grad for p in m.parameters())
-    ]
-    if sparse:
-        raise ValueError(
-            f"Layer(s) {sparse} produce sparse gradients, which the parameter-server "
-            "strategy does not support. Build them with sparse=False, or use "
-            "PSConfig(strategy='ddp')."
         )
 
 

@@ -42,6 +42,8 @@ def all_finite(values: "torch.Tensor | np.ndarray") -> bool:
     if isinstance(values, np.ndarray):
         wide = np.float32 if values.dtype.itemsize < 4 else values.dtype
         return bool(np.isfinite(values.sum(dtype=wide)))
+    if values.is_sparse:  # a sparse embedding's gradient: its rows
+        values = values._values()
     wide_t = torch.float32 if values.element_size() < 4 else values.dtype
     return bool(torch.isfinite(values.sum(dtype=wide_t)))
 

@@ -38,7 +38,9 @@ from ray_ps_plugin._codec import Codec, as_torch
 from ray_ps_plugin._dtypes import storage
 from ray_ps_plugin._errors import PSError
 from ray_ps_plugin._nonfinite import all_finite
+from ray_ps_plugin._sparse import sparse_params
 from ray_ps_plugin._sync.layout import Chunk, StreamLayout, plan_layout, relay_groups
+from ray_ps_plugin._sync.rows import PendingRows, RowBatch
 from ray_ps_plugin._sync.topology import Route, Topology
 from ray_ps_plugin._torch_compat import queue_autograd_callback
 from ray_ps_plugin._transport import DirectPath, Lane, Transport, open_lanes, wait_all
@@ -67,6 +69,15 @@ class _Pending:
     #: The shard of this node whose output segment holds the whole bucket's sum
     #: (``None``: the sum is assembled in the bucket itself).
     in_place: int | None = None
+
+    @property
+    def shards(self) -> list[int]:
+        return sorted({p.shard for p in self.pieces})
+
+    def release(self) -> None:
+        """Completes the future if it is not yet (DDP must never wait forever)."""
+        if not self.future.done():
+            self.future.set_result(self.bucket)
 
 
 @dataclass
@@ -117,7 +128,8 @@ class SumClient(ClientBase):
         self._stream_offset = 0
         self._warned_no_callback = False
         self._round: list[torch.futures.Future[torch.Tensor]] = []  # this step's futures
-        self._queue: queue.Queue[_Pending | None] = queue.Queue()
+        self._queue: queue.Queue[_Pending | PendingRows | None] = queue.Queue()
+        self._rows = RowBatch(setup.module, layout.num_shards, self._codec)
         self._thread = threading.Thread(
             target=self._complete_loop,
             name=f"ps-comm-rank{self.rank}-model{self.model_id}",
@@ -128,7 +140,9 @@ class SumClient(ClientBase):
     @classmethod
     def build(cls, setup: ClientSetup, transport: Transport) -> "SumClient":
         """Lays out the model's gradient stream and attaches the local shards."""
-        total = sum(p.numel() * p.element_size() for p in setup.params)
+        # Sparse tables travel as their touched rows, outside the dense stream.
+        sparse = {id(p) for p in sparse_params(setup.module)}
+        total = sum(p.numel() * p.element_size() for p in setup.params if id(p) not in sparse)
         topology: Topology | None = setup.topology
         relay = None
         if topology is not None:
@@ -178,10 +192,20 @@ class SumClient(ClientBase):
             self._open_round()
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         self._round.append(fut)
-        if buf.numel() == 0:
+        if buf.is_sparse:
+            (param,) = bucket.parameters()  # DDP gives a sparse parameter a bucket of its own
+            self._rows.hold(param, buf, fut)
+        elif buf.numel() == 0:
             # A bucket of empty parameters carries nothing to synchronise.
             fut.set_result(buf)
-            return fut
+        else:
+            self._push_dense(buf, fut)
+        if self._rows and bucket.is_last():
+            self._push_rows()
+        return fut
+
+    def _push_dense(self, buf: torch.Tensor, fut: torch.futures.Future[torch.Tensor]) -> None:
+        """Pushes a dense bucket's chunks to their shards, by their routes."""
         step = self._stats.steps
         pieces = self._layout.cut(self._stream_offset, buf.numel(), buf.element_size())
         self._stream_offset += buf.numel() * buf.element_size()
@@ -202,7 +226,35 @@ class SumClient(ClientBase):
         if not buf.is_cuda and len(local) == 1 and not remote:
             (in_place,) = local
         self._queue.put(_Pending(step, buf, pieces, handles, fut, time.perf_counter(), in_place))
-        return fut
+
+    def _push_rows(self) -> None:
+        """Sends the step's sparse tables' rows, all tables in one call per shard."""
+        pending, sent = self._rows.send(
+            self._transport, self.model_id, self._stats.steps, self.rank, self.world_size
+        )
+        if pending is None:
+            return
+        with self._lock:
+            for shard, nbytes in enumerate(sent):
+                self._count_push(shard, nbytes)
+            self._stats.pushes += len(sent)
+        self._queue.put(pending)
+
+    def _complete_rows(self, item: PendingRows) -> None:
+        """Waits for every shard's summed rows and hands DDP the summed sparse gradients."""
+        sums, received = self._rows.complete(
+            self._transport, item, self.settings.ps_timeout_s, self._where(item)
+        )
+        if self.guard.policy != "ignore" and not all(all_finite(g) for g in sums):
+            self.guard.flag(item.step)  # every worker holds the same sums and flags alike
+        with self._lock:
+            self._stats.bytes_pulled += sum(received)
+            self._stats.bytes_cross_node += sum(
+                n for s, n in enumerate(received) if s in self.remote_shards
+            )
+            self._stats.last_sync_s = time.perf_counter() - item.started
+        for fut, grad in zip(item.futures, sums):
+            fut.set_result(grad)
 
     def _open_round(self) -> None:
         """Starts a synchronisation round (DDP hands buckets over in index order, so
@@ -380,22 +432,25 @@ class SumClient(ClientBase):
         """
         while (item := self._queue.get()) is not None:
             try:
-                self._complete(item)
+                if isinstance(item, PendingRows):
+                    self._complete_rows(item)
+                else:
+                    self._complete(item)
             except PSError as e:
                 self.fail(e)
             except Exception as e:
-                shards = sorted({p.shard for p in item.pieces})
-                self.fail(PSError(f"{self._where(item)}: server shard(s) {shards} failed: {e}"))
+                self.fail(
+                    PSError(f"{self._where(item)}: server shard(s) {item.shards} failed: {e}")
+                )
             finally:
-                if not item.future.done():
-                    item.future.set_result(item.bucket)
+                item.release()
             try:
                 if self._metrics is not None and self._metrics.due():
                     self._metrics.export(self.snapshot())
             except Exception:
                 logger.debug("metrics export failed", exc_info=True)
 
-    def _where(self, item: _Pending) -> str:
+    def _where(self, item: _Pending | PendingRows) -> str:
         return f"rank {self.rank}: model {self.model_id}: step {item.step}"
 
     def _complete(self, item: _Pending) -> None:

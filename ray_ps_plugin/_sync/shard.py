@@ -19,12 +19,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from ray_ps_plugin._codec import Codec
 from ray_ps_plugin._dtypes import BF16_BITS, bf16_to_f32, storage
 from ray_ps_plugin._errors import ShardLinkError, ShardProtocolError, ShardTimeoutError
+from ray_ps_plugin._rows import RowSums
 from ray_ps_plugin._shard import ShardBase
 from ray_ps_plugin._shm import Segment, SegmentHandle
 from ray_ps_plugin._sync.topology import Topology
@@ -96,6 +98,7 @@ class SumShard(ShardBase):
         self._relayed: frozenset[int] = frozenset()
         self._wire_server: WireServer | None = None
         self._relay_streams: WireStreams | None = None
+        self._rows = RowSums(shard_index, num_workers, timeout_s)
 
     async def open_wire(self, token: bytes, host: str | None = None) -> tuple[str, int]:
         """Starts listening for pushes on the direct data path; returns its address.
@@ -361,6 +364,47 @@ class SumShard(ShardBase):
         answer = slot.acc if slot.encoded is None else slot.encoded
         self._bytes_out += answer.nbytes
         return answer
+
+    async def push_rows(
+        self, model: int, step: int, rank: int, tables: list[tuple[Any, ...]]
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Adds one worker's touched rows of the model's sparse tables; returns, per
+        table, the union of every worker's rows and their sums
+        (see :class:`~ray_ps_plugin._rows.RowSums`).
+
+        Args:
+            model: The prepared model's id.
+            step: The worker's synchronisation round.
+            rank: The sending worker's world rank.
+            tables: Per table of the step: ``(table, span, indices, values, dtype)``,
+                the table's index among the model's sparse tables, the rows this
+                shard owns ``(first, end)``, the worker's sorted unique touched rows
+                in that span and their gradient rows (divided by the world size,
+                encoded), and the table's dtype.
+
+        Returns:
+            ``(rows, sums)`` per table, the sums encoded.
+        """
+        self._check(model, rank)
+        for entry in tables:
+            self._check(model, rank, entry[4])
+        with self._queued():
+            self._pushes += 1
+            self._bytes_in += sum(i.nbytes + v.nbytes for _, _, i, v, _ in tables)
+            results = await asyncio.gather(
+                *(
+                    self._rows.push(
+                        model, step, table, rank, span, indices, self._codec.decode_np(values, dt)
+                    )
+                    for table, span, indices, values, dt in tables
+                )
+            )
+        answers = [
+            (rows, self._codec.encode_np(sums, dt) if self._codec.converts(dt) else sums)
+            for (rows, sums), (*_, dt) in zip(results, tables)
+        ]
+        self._bytes_out += sum(r.nbytes + v.nbytes for r, v in answers)
+        return answers
 
     def _share(self, model: int, slot: _Slot, key: int, dtype: str) -> None:
         """Places a finished slot's sum where this node's workers read it: moves the

@@ -875,6 +875,98 @@ def bf16_loop(config: dict[str, Any]) -> None:
     )
 
 
+# --- sparse embedding tables ------------------------------------------------------------
+
+SPARSE_PHASES = ("sparse_adam", "sgd", "adagrad")
+SPARSE_ROWS = (200, 40)  # the bag table's and the padded table's rows
+
+
+class SparseRecsys(nn.Module):
+    """A recommendation model in miniature: an ``EmbeddingBag`` and an ``Embedding``
+    with ``padding_idx`` (both ``sparse=True``), a dense MLP over their features."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.bags = nn.EmbeddingBag(SPARSE_ROWS[0], 6, mode="mean", sparse=True)
+        self.items = nn.Embedding(SPARSE_ROWS[1], 6, padding_idx=0, sparse=True)
+        self.mlp = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def forward(self, bag_ids: torch.Tensor, item_ids: torch.Tensor) -> torch.Tensor:
+        return self.mlp(torch.cat([self.bags(bag_ids), self.items(item_ids)], dim=1))
+
+
+def sparse_batch(step: int, rank: int, n: int = 16) -> tuple[torch.Tensor, ...]:
+    """Skewed ids (a few rows are hit often) and a target that depends on them. At
+    step 0 rank 1's items are all ``padding_idx``: its padded table touches no row."""
+    g = torch.Generator().manual_seed(5000 * step + rank)
+    skew = torch.rand(n, 4, generator=g) ** 3
+    bag_ids = (skew * SPARSE_ROWS[0]).long()
+    item_ids = (torch.rand(n, generator=g) ** 2 * SPARSE_ROWS[1]).long()
+    if step == 0 and rank == 1:
+        item_ids.zero_()
+    y = (bag_ids.float().mean(1, keepdim=True) / SPARSE_ROWS[0]) - (
+        item_ids[:, None] % 3 == 0
+    ).float()
+    return bag_ids, item_ids, y
+
+
+def sparse_loop(config: dict[str, Any]) -> None:
+    """Sparse-gradient embeddings with each optimizer torch gives them: SparseAdam on
+    the tables beside Adam on the MLP (the usual split), plain SGD, and Adagrad on
+    everything. Records each phase's parameters and the held-out loss.
+
+    Config: ``steps_per_phase``.
+    """
+    rank, _ = rank_and_world()
+    errors: dict[str, str] = {}
+    nets = {name: SparseRecsys(seed=20 + i) for i, name in enumerate(SPARSE_PHASES)}
+    models = {name: ray.train.torch.prepare_model(net) for name, net in nets.items()}
+
+    def optimizers(name: str, net: SparseRecsys) -> list[torch.optim.Optimizer]:
+        if name == "sparse_adam":
+            tables = [net.bags.weight, net.items.weight]
+            return [
+                torch.optim.SparseAdam(tables, lr=3e-2),
+                torch.optim.Adam(net.mlp.parameters(), lr=1e-2),
+            ]
+        if name == "sgd":
+            return [torch.optim.SGD(net.parameters(), lr=0.5)]
+        return [torch.optim.Adagrad(net.parameters(), lr=0.1)]
+
+    opts = {name: optimizers(name, nets[name]) for name in SPARSE_PHASES}
+    held_out = [sparse_batch(10_000 + i, 0, n=64) for i in range(2)]
+
+    def loss_of(module: nn.Module) -> float:
+        with torch.no_grad():
+            return sum(F.mse_loss(module(b, i), y).item() for b, i, y in held_out)
+
+    initial = {name: loss_of(unwrap(m)) for name, m in models.items()}
+    states: dict[str, Any] = {}
+    for name in SPARSE_PHASES:
+        model, phase_opts = models[name], opts[name]
+
+        def phase(model: nn.Module = model, phase_opts: list = phase_opts) -> None:
+            for step in range(config["steps_per_phase"]):
+                bag_ids, item_ids, y = sparse_batch(step, rank)
+                for opt in phase_opts:
+                    opt.zero_grad()
+                F.mse_loss(model(bag_ids, item_ids), y).backward()
+                for opt in phase_opts:
+                    opt.step()
+
+        attempt(errors, name, phase)
+        if rank == 0:
+            states[f"after_{name}"] = snapshot(unwrap(model))
+    finish(
+        models,
+        {"errors": errors, "initial": initial},
+        extra_states=states,
+        final_eval=lambda: {"final": {n: loss_of(unwrap(m)) for n, m in models.items()}},
+        case=config.get("case", ""),
+    )
+
+
 # --- resume after a worker dies -----------------------------------------------------
 
 

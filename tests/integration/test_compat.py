@@ -115,6 +115,7 @@ CASES: dict[str, Case] = {
     "gan": Case(cl.gan_loop, {"steps_per_phase": 8}),
     "twins": Case(cl.twins_loop, {"steps_per_phase": 8}),
     "bf16": Case(cl.bf16_loop, {"steps_per_phase": 12}),
+    "sparse": Case(cl.sparse_loop, {"steps_per_phase": 12}),
     "resume": Case(cl.resume_loop, {"steps": RESUME["steps"], "every": RESUME["every"]}),
 }
 # The cases of each mode's shared run, in order. resume_loop reads any checkpoint as
@@ -476,6 +477,24 @@ def test_bf16_weights_phase(runs, phase, mode):
     assert m["final"][phase] < 0.7 * m["initial"][phase], (m["initial"], m["final"])
     if mode == "sync":
         assert_phase_same_as_ddp(runs, "bf16", cl.BF16_PHASES, phase)
+
+
+# --- sparse embedding tables ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("phase", cl.SPARSE_PHASES)
+def test_sparse_embeddings_phase(runs, phase, mode):
+    """Sparse-gradient tables (EmbeddingBag and a padded Embedding, one rank's batch
+    hitting only padding_idx) with SparseAdam, SGD and Adagrad train in every mode;
+    sync ends with the parameters of DDP with Gloo's sparse all-reduce."""
+    run = runs.get("sparse", mode)
+    assert_no_error(run, phase)
+    assert all_finite(run.states[f"after_{phase}"])
+    m = run.metrics
+    assert m["final"][phase] < 0.9 * m["initial"][phase], (m["initial"], m["final"])
+    if mode == "sync":
+        assert_phase_same_as_ddp(runs, "sparse", cl.SPARSE_PHASES, phase)
 
 
 # --- resume from a checkpoint after a worker died -----------------------------------------

@@ -43,6 +43,8 @@ def _copy(value):
         return value.copy()
     if isinstance(value, Reply):
         return Reply(_copy(value.params) if value.params is not None else None, *value[1:])
+    if isinstance(value, (list, tuple)):  # e.g. the sparse rows of several tables
+        return type(value)(_copy(v) for v in value)
     return value
 
 
@@ -152,14 +154,20 @@ class FakeTransport:
 class FakeBucket:
     """The slice of ``torch.distributed.GradBucket`` the hook uses."""
 
-    def __init__(self, index: int, tensor: torch.Tensor) -> None:
-        self._index, self._tensor = index, tensor
+    def __init__(self, index: int, tensor: torch.Tensor, params=(), last=False) -> None:
+        self._index, self._tensor, self._params, self._last = index, tensor, list(params), last
 
     def index(self) -> int:
         return self._index
 
     def buffer(self) -> torch.Tensor:
         return self._tensor
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self._params
+
+    def is_last(self) -> bool:
+        return self._last
 
 
 class Settings:

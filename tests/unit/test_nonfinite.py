@@ -1,4 +1,4 @@
-"""NonFiniteGuard: raise, skip and ignore; and the sparse-gradient check."""
+"""NonFiniteGuard: raise, skip and ignore; and the bfloat16 check."""
 
 import logging
 
@@ -76,13 +76,6 @@ def test_owns_only_optimizers_of_its_parameters():
     guard = NonFiniteGuard("raise", 0, list(m.parameters()), check_local=True)
     assert guard.owns(torch.optim.SGD(m.parameters(), lr=1))
     assert not guard.owns(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1))
-
-
-def test_sparse_gradient_layers_are_refused_with_the_fix():
-    model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2))
-    with pytest.raises(ValueError, match=r"\['0'\] produce sparse gradients.*sparse=False"):
-        check_supported(model)
-    check_supported(torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 2)))
 
 
 def test_bfloat16_parameters_pass_except_with_fp16_compression():

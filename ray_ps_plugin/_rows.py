@@ -1,0 +1,153 @@
+"""Rows of embedding tables with sparse gradients: how they are split and summed.
+
+A table whose layer builds sparse gradients (``nn.Embedding`` / ``nn.EmbeddingBag``
+with ``sparse=True``) is split by rows across the shards: shard ``s`` owns rows
+``[bounds[s], bounds[s + 1])``. A worker sends each owner only the rows its batch
+touched (coalesced indices and their values); the owner answers with the union of
+the rows every worker touched. Nothing here imports torch: shard processes use it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
+
+__all__ = ["RowSums", "row_bounds", "sum_rows"]
+
+
+def row_bounds(num_rows: int, num_shards: int) -> list[int]:
+    """Row boundaries of a table split into ``num_shards`` near-equal ranges."""
+    return [num_rows * s // num_shards for s in range(num_shards + 1)]
+
+
+def sum_rows(indices: list[np.ndarray], values: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Sums several sets of (row index, row values) into one coalesced set.
+
+    Args:
+        indices: One int64 array of row indices per contribution.
+        values: The matching ``(len(indices[i]), *row_shape)`` arrays.
+
+    Returns:
+        ``(rows, sums)``: the sorted union of the rows and each row's sum, added in
+        the order of the contributions (so every caller gets the same bits).
+    """
+    idx = np.concatenate(indices)
+    vals = np.concatenate(values)
+    if idx.size == 0:
+        return idx, vals
+    order = np.argsort(idx, kind="stable")
+    rows, starts = np.unique(idx[order], return_index=True)
+    return rows, np.add.reduceat(vals[order], starts, axis=0)
+
+
+@dataclass
+class _RowRound:
+    """One table's rows of one step on one shard, until every worker has them."""
+
+    span: tuple[int, int]  # the rows this shard owns, as the first worker sent them
+    indices: dict[int, np.ndarray] = field(default_factory=dict)  # by rank
+    values: dict[int, np.ndarray] = field(default_factory=dict)
+    answered: set[int] = field(default_factory=set)
+    result: tuple[np.ndarray, np.ndarray] | None = None
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class RowSums:
+    """A sync shard's sums of sparse rows, step by step (runs on the shard's event loop).
+
+    Args:
+        shard_index: The shard's index (error messages).
+        num_workers: Workers whose rows make up one step.
+        timeout_s: How long a worker's rows wait for the other workers'.
+    """
+
+    def __init__(self, shard_index: int, num_workers: int, timeout_s: float) -> None:
+        self.shard_index = shard_index
+        self.num_workers = num_workers
+        self.timeout_s = timeout_s
+        self._rounds: dict[tuple[int, int, int], _RowRound] = {}
+
+    def _check(
+        self,
+        round_: _RowRound,
+        table: int,
+        span: tuple[int, int],
+        indices: np.ndarray,
+        values: np.ndarray,
+    ) -> None:
+        lo, hi = round_.span
+        where = f"shard {self.shard_index}: sparse table {table}"
+        if (lo, hi) != span:
+            raise ShardProtocolError(
+                f"{where}: one worker sent rows [{lo}, {hi}) for this shard, another "
+                f"[{span[0]}, {span[1]}); the workers disagree on the table's size."
+            )
+        if indices.ndim != 1 or indices.dtype != np.int64 or len(values) != len(indices):
+            raise ShardProtocolError(
+                f"{where}: expected int64 row indices and one row of values per index, got "
+                f"indices {indices.dtype}{indices.shape} and values {values.shape}."
+            )
+        if indices.size and (indices[0] < lo or indices[-1] >= hi):
+            raise ShardProtocolError(
+                f"{where}: rows outside this shard's range [{lo}, {hi}); the workers "
+                "disagree on the table's size or on the number of shards."
+            )
+
+    async def push(
+        self,
+        model: int,
+        step: int,
+        table: int,
+        rank: int,
+        span: tuple[int, int],
+        indices: np.ndarray,
+        values: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Adds one worker's rows; returns every worker's summed rows once all sent theirs.
+
+        Args:
+            model: The prepared model's id.
+            step: The worker's synchronisation round.
+            table: The table's index among the model's sparse tables.
+            rank: The sending worker's world rank.
+            span: The rows this shard owns, ``(first, end)``, as the worker split
+                the table (every worker must send the same).
+            indices: Sorted, unique row indices in this shard's range (may be empty).
+            values: Their values, already divided by the world size.
+
+        Raises:
+            ShardTimeoutError: If the other workers do not send within the timeout.
+            ShardProtocolError: If the rows do not belong to this shard.
+        """
+        key = (model, table, step)
+        span = (int(span[0]), int(span[1]))
+        round_ = self._rounds.setdefault(key, _RowRound(span=span))
+        self._check(round_, table, span, indices, values)
+        if rank not in round_.indices:
+            round_.indices[rank], round_.values[rank] = indices, values
+            if len(round_.indices) == self.num_workers:
+                ranks = sorted(round_.indices)
+                round_.result = sum_rows(
+                    [round_.indices[r] for r in ranks], [round_.values[r] for r in ranks]
+                )
+                round_.done.set()
+        try:
+            await asyncio.wait_for(round_.done.wait(), self.timeout_s)
+        except asyncio.TimeoutError:
+            self._rounds.pop(key, None)
+            missing = sorted(set(range(self.num_workers)) - set(round_.indices))
+            raise ShardTimeoutError(
+                f"shard {self.shard_index}: model {model}: step {step}, sparse table "
+                f"{table} waited {self.timeout_s:g}s for the rows of worker(s) {missing}; a "
+                "worker is stuck, dead or its model differs. Raise PSConfig.ps_timeout_s "
+                "if steps are slow."
+            ) from None
+        assert round_.result is not None
+        round_.answered.add(rank)
+        if len(round_.answered) == self.num_workers:
+            self._rounds.pop(key, None)
+        return round_.result

@@ -1,0 +1,109 @@
+"""Worker side of sparse embedding tables: which parameters they are, and their rows.
+
+DDP gives each parameter of an ``nn.Embedding`` / ``nn.EmbeddingBag`` built with
+``sparse=True`` a bucket of its own and hands the communication hook its gradient as
+a sparse COO tensor; the tensor the hook returns becomes ``param.grad``. Such a
+gradient travels as its touched rows only (see :mod:`ray_ps_plugin._rows` for the
+split by rows across the shards).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from ray_ps_plugin._codec import Codec, as_torch
+from ray_ps_plugin._rows import row_bounds
+
+__all__ = ["SparseTable", "assemble", "sparse_params"]
+
+
+def sparse_params(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The trainable parameters whose gradients are sparse, in ``parameters()`` order.
+
+    The same test as DDP's: the weight of an ``nn.Embedding`` or ``nn.EmbeddingBag``
+    whose ``sparse`` is true.
+    """
+    found: dict[int, torch.Tensor] = {}
+    for m in module.modules():
+        if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse:
+            for p in m.parameters(recurse=False):
+                if p.requires_grad:
+                    found[id(p)] = p
+    return [p for p in module.parameters() if id(p) in found]
+
+
+class SparseTable:
+    """One sparse table of a model: its index, its size and its split by rows.
+
+    Args:
+        index: The table's index among the model's sparse tables (the same on every
+            worker, as ``parameters()`` order is).
+        param: The table's weight.
+        num_shards: The shards its rows are split over.
+    """
+
+    def __init__(self, index: int, param: torch.Tensor, num_shards: int) -> None:
+        self.index = index
+        self.shape = tuple(param.shape)
+        self.dtype = param.dtype
+        self.bounds = row_bounds(self.shape[0], num_shards)
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    def split(
+        self, grad: torch.Tensor, scale: float, codec: Codec
+    ) -> list[tuple[int, tuple[int, int], np.ndarray, np.ndarray]]:
+        """The touched rows of a sparse gradient, scaled and encoded, shard by shard.
+
+        Returns:
+            ``(shard, span, indices, values)`` for every shard, an empty pair of
+            arrays where the gradient touches none of the shard's rows (the shard
+            still waits for every worker).
+        """
+        g = grad.coalesce()
+        indices = g.indices()[0].cpu().numpy()
+        values = g.values() * scale
+        cuts = np.searchsorted(indices, self.bounds)
+        out = []
+        for s in range(len(self.bounds) - 1):
+            lo, hi = int(cuts[s]), int(cuts[s + 1])
+            out.append(
+                (
+                    s,
+                    (self.bounds[s], self.bounds[s + 1]),
+                    indices[lo:hi],
+                    codec.encode(values[lo:hi]),
+                )
+            )
+        return out
+
+
+def assemble(
+    table: SparseTable,
+    answers: Sequence[tuple[np.ndarray, np.ndarray]],
+    codec: Codec,
+    device: torch.device,
+) -> torch.Tensor:
+    """The summed sparse gradient from every shard's ``(rows, sums)``, coalesced.
+
+    The shards' row ranges are disjoint and in order, so the concatenation is sorted
+    and unique as it stands.
+    """
+    rows = np.concatenate([r for r, _ in answers])
+    row_shape = table.shape[1:]
+    parts = [codec.decode(v.reshape(-1, *row_shape), table.dtype) for _, v in answers]
+    values = torch.cat(parts) if parts else torch.empty((0, *row_shape), dtype=table.dtype)
+    return torch.sparse_coo_tensor(
+        as_torch(rows)[None].clone(),
+        values,
+        table.shape,
+        device=device,
+        # Sorted and unique by construction; saying so spares torch the check.
+        check_invariants=False,
+        is_coalesced=True,
+    )
