@@ -14,9 +14,19 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ray_ps_plugin._dtypes import BF16_BITS, MODEL_DTYPES
 from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
 
-__all__ = ["RowSums", "row_bounds", "sum_rows"]
+__all__ = ["RowEntry", "RowSums", "pack", "row_bounds", "sum_rows", "unpack"]
+
+#: One table's rows in a message: ``(table, span, indices, values, dtype)``, the
+#: table's index, the row range ``(first, end)`` of the shard, sorted unique int64 row
+#: indices, their ``(n, row_numel)`` values (encoded) and the table's dtype.
+RowEntry = tuple[int, tuple[int, int], np.ndarray, np.ndarray, str]
+
+# The element types values travel in (bfloat16 as int16 bit patterns).
+_VALUE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), BF16_BITS, np.dtype(np.float64))
+_FIELDS = 7  # table, first, end, rows, row_numel, dtype, value dtype
 
 
 def row_bounds(num_rows: int, num_shards: int) -> list[int]:
@@ -42,6 +52,49 @@ def sum_rows(indices: list[np.ndarray], values: list[np.ndarray]) -> tuple[np.nd
     order = np.argsort(idx, kind="stable")
     rows, starts = np.unique(idx[order], return_index=True)
     return rows, np.add.reduceat(vals[order], starts, axis=0)
+
+
+def pack(entries: list[RowEntry]) -> np.ndarray:
+    """The bytes of a list of row entries, for a frame on the direct data path: a
+    header of int64 fields, then each entry's indices and values."""
+    head = [len(entries)]
+    for table, (lo, hi), indices, values, dtype in entries:
+        row_numel = int(np.prod(values.shape[1:]))
+        head += [table, lo, hi, len(indices), row_numel, MODEL_DTYPES.index(dtype)]
+        head.append(_VALUE_DTYPES.index(values.dtype))
+    parts = [np.asarray(head, "<i8").view(np.uint8)]
+    for _, _, indices, values, _ in entries:
+        parts += [indices.view(np.uint8).reshape(-1), values.reshape(-1).view(np.uint8)]
+    return np.concatenate(parts)
+
+
+def unpack(payload: np.ndarray) -> list[RowEntry]:
+    """The row entries :func:`pack` wrote (views into ``payload``).
+
+    Raises:
+        ShardProtocolError: If the bytes are not whole entries.
+    """
+    try:
+        (count,) = payload[:8].view("<i8")
+        head = payload[8 : 8 * (1 + _FIELDS * int(count))].view("<i8").reshape(-1, _FIELDS)
+        at = 8 * (1 + _FIELDS * int(count))
+        out: list[RowEntry] = []
+        for table, lo, hi, n, row_numel, dtype, value_dtype in head.tolist():
+            vdt = _VALUE_DTYPES[value_dtype]
+            indices = payload[at : at + 8 * n].view("<i8")
+            at += 8 * n
+            values = payload[at : at + n * row_numel * vdt.itemsize].view(vdt)
+            at += n * row_numel * vdt.itemsize
+            out.append(
+                (table, (lo, hi), indices, values.reshape(n, row_numel), MODEL_DTYPES[dtype])
+            )
+    except (ValueError, IndexError) as e:
+        raise ShardProtocolError(f"a frame of sparse rows is malformed: {e}") from None
+    if at != payload.nbytes:
+        raise ShardProtocolError(
+            f"a frame of sparse rows has {payload.nbytes - at} bytes after its entries"
+        )
+    return out
 
 
 @dataclass

@@ -68,6 +68,12 @@ class DirectPath(Protocol):
         """Names chunks left in shared memory for a shard of this node."""
         ...
 
+    def push_rows(
+        self, shard: int, model: int, step: int, source: int, payload: Any
+    ) -> concurrent.futures.Future[Any]:
+        """Sends a step's packed sparse rows; the future holds the packed answer."""
+        ...
+
     def reaches(self, shard: int) -> bool:
         """Whether ``shard`` listens on the direct path."""
         ...

@@ -230,7 +230,12 @@ class SumClient(ClientBase):
     def _push_rows(self) -> None:
         """Sends the step's sparse tables' rows, all tables in one call per shard."""
         pending, sent = self._rows.send(
-            self._transport, self.model_id, self._stats.steps, self.rank, self.world_size
+            self._transport,
+            self._direct,
+            self.model_id,
+            self._stats.steps,
+            self.rank,
+            self.world_size,
         )
         if pending is None:
             return

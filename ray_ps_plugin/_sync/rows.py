@@ -13,11 +13,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from ray_ps_plugin._codec import Codec
+from ray_ps_plugin._rows import RowEntry, pack, unpack
 from ray_ps_plugin._sparse import SparseTable, assemble, sparse_params
-from ray_ps_plugin._transport import Transport, wait_all
+from ray_ps_plugin._transport import DirectPath, Transport, wait_all
 
 __all__ = ["PendingRows", "RowBatch"]
 
@@ -75,11 +77,19 @@ class RowBatch:
         self._held.append((self._tables[id(param)], grad, fut))
 
     def send(
-        self, transport: Transport, model_id: int, step: int, rank: int, world_size: int
+        self,
+        transport: Transport,
+        direct: DirectPath | None,
+        model_id: int,
+        step: int,
+        rank: int,
+        world_size: int,
     ) -> tuple[PendingRows | None, list[int]]:
-        """Sends the held gradients' rows, divided by the world size: one call per
+        """Sends the held gradients' rows, divided by the world size: one message per
         shard (with an empty pair for a table of which the worker touched none of
-        the shard's rows: the shard waits for every worker's rows).
+        the shard's rows: the shard waits for every worker's rows). A frame on the
+        direct path where the run has one (a Ray call and its reply cost far more),
+        else a Ray call.
 
         Returns:
             The pending step (``None`` if nothing was held) and the bytes sent to
@@ -88,14 +98,16 @@ class RowBatch:
         held, self._held = self._held, []
         if not held:
             return None, []
-        per_shard: list[list[tuple[Any, ...]]] = [[] for _ in range(self._num_shards)]
+        per_shard: list[list[RowEntry]] = [[] for _ in range(self._num_shards)]
         sent = [0] * self._num_shards
         for table, grad, _ in held:
             for shard, span, indices, values in table.split(grad, 1.0 / world_size, self._codec):
                 per_shard[shard].append((table.index, span, indices, values, table.dtype_name))
                 sent[shard] += indices.nbytes + values.nbytes
         handles = [
-            transport.call(s, "push_rows", model_id, step, rank, per_shard[s])
+            direct.push_rows(s, model_id, step, rank, pack(per_shard[s]))
+            if direct is not None and direct.reaches(s)
+            else transport.call(s, "push_rows", model_id, step, rank, per_shard[s])
             for s in range(self._num_shards)
         ]
         pending = PendingRows(
@@ -112,7 +124,10 @@ class RowBatch:
             Each held table's summed sparse gradient, and the bytes received from
             each shard.
         """
-        answers = wait_all(transport, item.handles, item.shards, timeout_s, where)
+        answers = [
+            [(e[2], e[3]) for e in unpack(a)] if isinstance(a, np.ndarray) else a
+            for a in wait_all(transport, item.handles, item.shards, timeout_s, where)
+        ]
         sums = [
             assemble(table, [a[k] for a in answers], self._codec, grad.device)
             for k, (table, grad) in enumerate(zip(item.tables, item.grads))

@@ -19,18 +19,17 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from ray_ps_plugin._codec import Codec
 from ray_ps_plugin._dtypes import BF16_BITS, bf16_to_f32, storage
 from ray_ps_plugin._errors import ShardLinkError, ShardProtocolError, ShardTimeoutError
-from ray_ps_plugin._rows import RowSums
+from ray_ps_plugin._rows import RowEntry, RowSums, pack, unpack
 from ray_ps_plugin._shard import ShardBase
 from ray_ps_plugin._shm import Segment, SegmentHandle
 from ray_ps_plugin._sync.topology import Topology
-from ray_ps_plugin._sync.wire import LOCAL, Frame, WireServer, WireStreams, unpack_local
+from ray_ps_plugin._sync.wire import LOCAL, ROWS, Frame, WireServer, WireStreams, unpack_local
 from ray_ps_plugin._types import Compression
 
 __all__ = ["SumShard"]
@@ -139,6 +138,10 @@ class SumShard(ShardBase):
         """A push that came on the direct data path: from a worker of another node
         that has no relay, or from another node's relay; or a local push, from a
         worker of this node whose chunks lie in shared memory."""
+        if frame.kind == ROWS:
+            entries = unpack(payload)
+            answers = await self.push_rows(frame.model, frame.step, frame.source, entries)
+            return pack([(e[0], e[1], r, v, e[4]) for e, (r, v) in zip(entries, answers)])
         if frame.kind == LOCAL:
             chunks = unpack_local(payload)
             await self.push_local(frame.model, frame.step, frame.source, frame.dtype, chunks)
@@ -366,7 +369,7 @@ class SumShard(ShardBase):
         return answer
 
     async def push_rows(
-        self, model: int, step: int, rank: int, tables: list[tuple[Any, ...]]
+        self, model: int, step: int, rank: int, tables: list[RowEntry]
     ) -> list[tuple[np.ndarray, np.ndarray]]:
         """Adds one worker's touched rows of the model's sparse tables; returns, per
         table, the union of every worker's rows and their sums
@@ -376,11 +379,9 @@ class SumShard(ShardBase):
             model: The prepared model's id.
             step: The worker's synchronisation round.
             rank: The sending worker's world rank.
-            tables: Per table of the step: ``(table, span, indices, values, dtype)``,
-                the table's index among the model's sparse tables, the rows this
-                shard owns ``(first, end)``, the worker's sorted unique touched rows
-                in that span and their gradient rows (divided by the world size,
-                encoded), and the table's dtype.
+            tables: Per table of the step, a :data:`~ray_ps_plugin._rows.RowEntry`:
+                the worker's sorted unique touched rows in this shard's span and
+                their gradient rows (divided by the world size, encoded).
 
         Returns:
             ``(rows, sums)`` per table, the sums encoded.

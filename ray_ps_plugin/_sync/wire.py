@@ -61,6 +61,8 @@ from ray_ps_plugin._dtypes import MODEL_DTYPES
 
 __all__ = [
     "DTYPES",
+    "ROWS",
+    "ROWS_KEY",
     "Frame",
     "RemoteError",
     "WireServer",
@@ -73,7 +75,9 @@ logger = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("<4sBBiqqiq")
 _MAGIC = b"PSW1"
-PUSH, ANSWER, ERROR, LOCAL = 0, 1, 2, 3
+PUSH, ANSWER, ERROR, LOCAL, ROWS = 0, 1, 2, 3, 4
+#: The key of a ``ROWS`` frame: one per model, step and shard (chunk keys are >= 0).
+ROWS_KEY = -1
 
 #: Element types a frame may name (the model's dtype; the payload is in the wire
 #: format the run's compression chooses), by their index in the header.
@@ -88,7 +92,8 @@ class Frame:
     """One frame's header.
 
     Attributes:
-        kind: ``PUSH``, ``ANSWER``, ``ERROR`` or ``LOCAL``.
+        kind: ``PUSH``, ``ANSWER``, ``ERROR``, ``LOCAL`` or ``ROWS`` (the touched
+            rows of a model's sparse tables, packed by :func:`ray_ps_plugin._rows.pack`).
         dtype: The model's dtype (an entry of :data:`DTYPES`).
         model: The prepared model's id.
         step: The synchronisation round.
@@ -120,7 +125,11 @@ class Frame:
     @classmethod
     def unpack(cls, raw: bytes | bytearray | memoryview) -> Frame:
         magic, kind, dtype, model, step, key, source, nbytes = _HEADER.unpack(raw)
-        if magic != _MAGIC or kind not in (PUSH, ANSWER, ERROR, LOCAL) or dtype >= len(DTYPES):
+        if (
+            magic != _MAGIC
+            or kind not in (PUSH, ANSWER, ERROR, LOCAL, ROWS)
+            or dtype >= len(DTYPES)
+        ):
             raise ConnectionError("not a ray_ps_plugin frame: the stream is corrupt")
         if nbytes < 0:
             raise ConnectionError(f"frame with a negative size {nbytes}")
@@ -298,7 +307,7 @@ class WireServer:
             while True:
                 _recv_exact_blocking(conn, memoryview(head))
                 frame = Frame.unpack(head)
-                if frame.kind not in (PUSH, LOCAL):
+                if frame.kind not in (PUSH, LOCAL, ROWS):
                     raise ConnectionError(f"expected a push, got frame kind {frame.kind}")
                 payload = np.empty(frame.nbytes, np.uint8)
                 _recv_exact_blocking(conn, payload.data)
@@ -543,6 +552,14 @@ class WireStreams:
         no data, once their sums are in the shard's output segment."""
         payload = pack_local(chunks)
         frame = Frame(LOCAL, dtype, model, step, chunks[0][0], source, payload.nbytes)
+        return self._stream(shard).push(frame, payload)
+
+    def push_rows(
+        self, shard: int, model: int, step: int, source: int, payload: np.ndarray
+    ) -> concurrent.futures.Future[np.ndarray]:
+        """Sends a shard the step's touched rows of a model's sparse tables (packed by
+        :func:`ray_ps_plugin._rows.pack`); the future holds the packed answer."""
+        frame = Frame(ROWS, "float32", model, step, ROWS_KEY, source, payload.nbytes)
         return self._stream(shard).push(frame, payload)
 
     def close(self, timeout_s: float = 5.0) -> None:

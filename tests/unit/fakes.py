@@ -11,7 +11,7 @@ import torch
 from ray_ps_plugin._client import ClientSetup
 from ray_ps_plugin._errors import WaitTimeout
 from ray_ps_plugin._param.shard import ParamShard, Reply
-from ray_ps_plugin._sync.wire import LOCAL, PUSH, Frame, RemoteError, pack_local
+from ray_ps_plugin._sync.wire import LOCAL, PUSH, ROWS, ROWS_KEY, Frame, RemoteError, pack_local
 
 
 class LoopThread:
@@ -70,6 +70,10 @@ class FakeDirect:
         payload = pack_local(chunks)
         frame = Frame(LOCAL, dtype, model, step, chunks[0][0], source, payload.nbytes)
         return self._send(shard, frame, payload, None)
+
+    def push_rows(self, shard, model, step, source, payload) -> Future:
+        frame = Frame(ROWS, "float32", model, step, ROWS_KEY, source, payload.nbytes)
+        return self._send(shard, frame, payload.copy(), None)
 
     def _send(self, shard, frame, payload, into) -> Future:
         self.frames.append((shard, frame.kind, frame.source))

@@ -13,7 +13,15 @@ from ray_ps_plugin._rows import RowSums, row_bounds, sum_rows
 from ray_ps_plugin._sparse import sparse_params
 from ray_ps_plugin._sync.client import SumClient
 from ray_ps_plugin._sync.shard import SumShard
-from tests.unit.fakes import FakeBucket, FakeTransport, LoopThread, Settings, setup_for
+from ray_ps_plugin._sync.wire import ROWS as ROWS_FRAME
+from tests.unit.fakes import (
+    FakeBucket,
+    FakeDirect,
+    FakeTransport,
+    LoopThread,
+    Settings,
+    setup_for,
+)
 
 ROWS, DIM = 50, 3
 
@@ -37,9 +45,11 @@ class _Recsys(torch.nn.Module):
         self.fc = torch.nn.Linear(DIM, 1)
 
 
-def _clients(loop, world, num_shards, compression=None, timeout_s=5.0):
+def _clients(loop, world, num_shards, compression=None, timeout_s=5.0, direct=False):
     servers = [SumShard(i, world, timeout_s, compression) for i in range(num_shards)]
     transport = FakeTransport(loop, servers)
+    if direct:
+        transport.direct = FakeDirect(loop, servers)
     settings = Settings(ps_timeout_s=timeout_s, compression=compression)
     models = [_Recsys() for _ in range(world)]
     clients = [
@@ -77,12 +87,16 @@ def _step(clients, models, buckets):
     return results
 
 
-@pytest.mark.parametrize("num_shards", [1, 2, 3])
+@pytest.mark.parametrize(
+    ("num_shards", "direct"),
+    [(1, False), (2, False), (3, False), (3, True)],
+    ids=["1-shard", "2-shards", "3-shards", "3-shards-direct-path"],
+)
 def test_touched_rows_come_back_as_the_mean_over_workers_with_dense_buckets_beside(
-    loop, num_shards
+    loop, num_shards, direct
 ):
     world = 3
-    clients, models, transport = _clients(loop, world, num_shards)
+    clients, models, transport = _clients(loop, world, num_shards, direct=direct)
     # Rank 0 repeats rows (an uncoalesced gradient), rank 1 touched none (a batch of
     # padding_idx only), rank 2 touched rows in every shard's range.
     touched = {0: [3, 3, 17, 49], 1: [], 2: [1, 17, 30, 45]}
@@ -113,6 +127,10 @@ def test_touched_rows_come_back_as_the_mean_over_workers_with_dense_buckets_besi
         assert got_sparse.indices()[0].tolist() == union  # only the union travels back
         torch.testing.assert_close(got_sparse.to_dense(), expected_sparse)
     # Only touched rows travel: each worker's indices and values, nothing dense.
+    if direct:  # one ROWS frame per worker and shard, no Ray call
+        assert not [c for c in transport.calls if c[0] == "push_rows"]
+        assert sum(1 for f in transport.direct.frames if f[1] == ROWS_FRAME) == world * num_shards
+        return
     # One call per worker and shard; (method, shard, model, step, rank, tables).
     pushed = [c for c in transport.calls if c[0] == "push_rows"]
     assert len(pushed) == world * num_shards
@@ -123,9 +141,10 @@ def test_touched_rows_come_back_as_the_mean_over_workers_with_dense_buckets_besi
         c.close()
 
 
-def test_bf16_compression_halves_the_rows_values(loop):
+@pytest.mark.parametrize("direct", [False, True], ids=["ray-calls", "direct-path"])
+def test_bf16_compression_halves_the_rows_values(loop, direct):
     world = 2
-    clients, models, _ = _clients(loop, world, 2, compression="bf16")
+    clients, models, _ = _clients(loop, world, 2, compression="bf16", direct=direct)
     grads = {r: _sparse_grad([2, 40], seed=r) for r in range(world)}
     results = _step(
         clients, models, {r: [(grads[r], [models[r].emb.weight])] for r in range(world)}
@@ -198,3 +217,22 @@ def test_the_nan_check_reads_a_sparse_gradients_rows():
     assert all_finite(g)
     g.values()[1, 2] = float("nan")
     assert not all_finite(g)
+
+
+def test_rows_pack_into_frames_and_back_also_empty_and_16_bit():
+    from ray_ps_plugin._dtypes import BF16_BITS
+    from ray_ps_plugin._rows import pack, unpack
+
+    entries = [
+        (0, (0, 10), np.array([1, 3], np.int64), np.ones((2, 4), np.float32), "float32"),
+        (2, (5, 9), np.empty(0, np.int64), np.empty((0, 4), BF16_BITS), "bfloat16"),
+        (3, (5, 9), np.array([6], np.int64), np.full((1, 3), 7, np.float16), "float16"),
+    ]
+    back = unpack(pack(entries))
+    for (t, span, idx, vals, dt), (t2, span2, idx2, vals2, dt2) in zip(entries, back):
+        assert (t, span, dt) == (t2, span2, dt2)
+        np.testing.assert_array_equal(idx, idx2)
+        assert vals.dtype == vals2.dtype and vals.shape == vals2.shape
+        np.testing.assert_array_equal(vals, vals2)
+    with pytest.raises(ShardProtocolError, match=r"malformed|after its entries"):
+        unpack(pack(entries)[:-3])
