@@ -117,7 +117,8 @@ class PSConfig(TorchConfig):
             TCP stream from the pusher to the shard, opened on the node's address
             when the run starts; the fast path) or ``"object_store"`` (as Ray
             actor-call arguments and results; use it where the nodes allow only
-            Ray's own ports). Async/ssp always use the object store.
+            Ray's own ports). On one node only sparse embedding rows take the TCP
+            path. Async/ssp always use the object store.
         node_aggregation: Whether, in sync mode, the workers of a node with several
             workers first sum their gradients on that node's first shard, which
             then sends one partial sum per node across the network (needs

@@ -102,6 +102,7 @@ class SumClient(ClientBase):
             :class:`~ray_ps_plugin._sync.topology.Topology`); by default each to its
             owner.
         direct: The direct data path to other nodes' shards, if the run has one.
+        rows_direct: The direct path for sparse rows (also on one node).
     """
 
     def __init__(
@@ -112,6 +113,7 @@ class SumClient(ClientBase):
         lanes: dict[int, Lane],
         routes: list[Route] | None = None,
         direct: DirectPath | None = None,
+        rows_direct: DirectPath | None = None,
     ) -> None:
         super().__init__(setup, layout.num_shards, check_local=False)
         self._transport = transport
@@ -124,6 +126,7 @@ class SumClient(ClientBase):
         # models and closed with its transport); where it exists, the notices for
         # this node's shards go on it too (else they are Ray calls).
         self._direct = direct
+        self._rows_direct = rows_direct if rows_direct is not None else direct
         self._codec = Codec(setup.settings.compression)
         self._stream_offset = 0
         self._warned_no_callback = False
@@ -149,7 +152,7 @@ class SumClient(ClientBase):
             relay = topology.relay_of(topology.worker_nodes[setup.rank])
         # Whether any chunk of the run crosses nodes on the direct path; the same
         # answer on every worker, so every worker cuts the stream alike.
-        direct = topology is not None and bool(topology.addresses)
+        direct = topology is not None and topology.dense_direct
         layout = plan_layout(
             total,
             setup.num_shards,
@@ -174,8 +177,17 @@ class SumClient(ClientBase):
             # the object store): the owners count this node's partial sum, not ranks.
             routes = [topology.route(setup.rank, s) for s in range(layout.num_shards)]
         # Every shard listens when the run has the direct path: chunks for other
-        # nodes go there, and so do the notices for this node's shards.
-        return cls(setup, layout, transport, lanes, routes, transport.direct)
+        # nodes go there, and so do the notices for this node's shards. On one node
+        # only the sparse rows take it.
+        return cls(
+            setup,
+            layout,
+            transport,
+            lanes,
+            routes,
+            transport.direct if direct else None,
+            rows_direct=transport.direct,
+        )
 
     def bind(self, ddp: "DistributedDataParallel") -> None:
         """Replaces DDP's all-reduce with :meth:`hook`; DDP keeps its buckets."""
@@ -231,7 +243,7 @@ class SumClient(ClientBase):
         """Sends the step's sparse tables' rows, all tables in one call per shard."""
         pending, sent = self._rows.send(
             self._transport,
-            self._direct,
+            self._rows_direct,
             self.model_id,
             self._stats.steps,
             self.rank,

@@ -47,7 +47,9 @@ def connect_shards(
     addresses: tuple[tuple[str, int] | None, ...] = ()
     token = b""
     try:
-        if settings.data_path == "tcp" and len(order) > 1:
+        # Opened on one node too, where only sparse rows use it: a frame on an open
+        # socket costs less than a Ray call and its reply.
+        if settings.data_path == "tcp":
             token = secrets.token_bytes(TOKEN_BYTES)
             opened = ray.get([s.open_wire.remote(token) for s in servers], timeout=timeout)
             addresses = tuple((str(host), int(port)) for host, port in opened)
@@ -56,7 +58,7 @@ def connect_shards(
             shard_nodes=shards,
             # A relay's partial sum goes out on the direct path: without it, the
             # extra hop through the object store would cost more than it saves.
-            aggregate=settings.node_aggregation and bool(addresses),
+            aggregate=settings.node_aggregation and bool(addresses) and len(order) > 1,
             addresses=addresses,
             token=token,
         )

@@ -49,7 +49,7 @@ class Topology:
         aggregate: Whether nodes with several workers aggregate through a relay.
         addresses: ``(host, port)`` of each shard's direct data path, or ``None``
             per shard where it has none (then cross-node chunks travel through the
-            object store).
+            object store). On one node only sparse rows use it.
         token: The run's secret for the direct data path (empty without one).
     """
 
@@ -76,6 +76,18 @@ class Topology:
     @property
     def num_workers(self) -> int:
         return len(self.worker_nodes)
+
+    @property
+    def spans_nodes(self) -> bool:
+        """Whether the run's workers and shards live on more than one node."""
+        return len(set(self.worker_nodes) | set(self.shard_nodes)) > 1
+
+    @property
+    def dense_direct(self) -> bool:
+        """Whether dense chunks and notices use the direct path: only across nodes.
+        On one node the path carries only sparse rows (the dense buckets go through
+        shared memory there, with the chunk sizes measured for it)."""
+        return bool(self.addresses) and self.spans_nodes
 
     @property
     def has_relays(self) -> bool:
