@@ -115,7 +115,7 @@ CASES: dict[str, Case] = {
     "gan": Case(cl.gan_loop, {"steps_per_phase": 8}),
     "twins": Case(cl.twins_loop, {"steps_per_phase": 8}),
     "bf16": Case(cl.bf16_loop, {"steps_per_phase": 12}),
-    "sparse": Case(cl.sparse_loop, {"steps_per_phase": 12}),
+    "sparse": Case(cl.sparse_loop, {"steps_per_phase": 20}),
     "resume": Case(cl.resume_loop, {"steps": RESUME["steps"], "every": RESUME["every"]}),
 }
 # The cases of each mode's shared run, in order. resume_loop reads any checkpoint as

@@ -236,3 +236,19 @@ def test_rows_pack_into_frames_and_back_also_empty_and_16_bit():
         np.testing.assert_array_equal(vals, vals2)
     with pytest.raises(ShardProtocolError, match=r"malformed|after its entries"):
         unpack(pack(entries)[:-3])
+
+
+def test_a_model_of_sparse_tables_only(loop):
+    servers = [SumShard(i, 2, 5.0, None) for i in range(2)]
+    transport = FakeTransport(loop, servers)
+    tables = [torch.nn.Embedding(ROWS, DIM, sparse=True) for _ in range(2)]
+    clients = [
+        SumClient.build(setup_for(tables[r], r, 2, 2, Settings()), transport) for r in range(2)
+    ]
+    grads = {r: _sparse_grad([r, 40], seed=r) for r in range(2)}
+    results = _step(clients, tables, {r: [(grads[r], [tables[r].weight])] for r in range(2)})
+    expected = (grads[0].to_dense() + grads[1].to_dense()) / 2
+    for r in range(2):
+        torch.testing.assert_close(results[r][0].to_dense(), expected)
+    for c in clients:
+        c.close()
