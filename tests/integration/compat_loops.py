@@ -913,7 +913,8 @@ def sparse_batch(step: int, rank: int, n: int = 16) -> tuple[torch.Tensor, ...]:
 
 def sparse_loop(config: dict[str, Any]) -> None:
     """Sparse-gradient embeddings with each optimizer torch gives them: SparseAdam on
-    the tables beside Adam on the MLP (the usual split), plain SGD, and Adagrad on
+    the tables beside Adam on the MLP (the usual split), plain SGD (a larger learning
+    rate for the tables, in a parameter group of their own), and Adagrad on
     everything. Records each phase's parameters and the held-out loss.
 
     Config: ``steps_per_phase``.
@@ -931,7 +932,12 @@ def sparse_loop(config: dict[str, Any]) -> None:
                 torch.optim.Adam(net.mlp.parameters(), lr=1e-2),
             ]
         if name == "sgd":
-            return [torch.optim.SGD(net.parameters(), lr=0.5)]
+            tables = [net.bags.weight, net.items.weight]
+            return [
+                torch.optim.SGD(
+                    [{"params": tables, "lr": 2.0}, {"params": net.mlp.parameters()}], lr=0.5
+                )
+            ]
         return [torch.optim.Adagrad(net.parameters(), lr=0.1)]
 
     opts = {name: optimizers(name, nets[name]) for name in SPARSE_PHASES}
