@@ -487,15 +487,15 @@ def test_bf16_weights_phase(runs, phase, mode):
 def test_sparse_embeddings_phase(runs, phase, mode):
     """Sparse-gradient tables (EmbeddingBag and a padded Embedding, one rank's batch
     hitting only padding_idx) with SparseAdam, SGD and Adagrad train in every mode
-    (ddp and sync: the held-out loss falls by 10%; async/ssp: it falls); sync ends
-    with the parameters of DDP with Gloo's sparse all-reduce."""
+    (the held-out loss falls by 10% in every mode); sync ends with the parameters
+    of DDP with Gloo's sparse all-reduce."""
     run = runs.get("sparse", mode)
     assert_no_error(run, phase)
     assert all_finite(run.states[f"after_{phase}"])
     m = run.metrics
-    # Sync holds DDP's parameters (checked below); a stale mode's loss went down.
-    bound = 0.9 if mode in ("ddp", "sync") else 1.0
-    assert m["final"][phase] < bound * m["initial"][phase], (m["initial"], m["final"])
+    # Sync holds DDP's parameters (checked below); every mode learns. Measured over
+    # three runs of each stale mode: the loss ends at 0.3-0.75 of its start.
+    assert m["final"][phase] < 0.9 * m["initial"][phase], (m["initial"], m["final"])
     if mode == "sync":
         assert_phase_same_as_ddp(runs, "sparse", cl.SPARSE_PHASES, phase)
 
