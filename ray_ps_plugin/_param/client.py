@@ -27,7 +27,6 @@ the only one in ``"async"``.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -36,11 +35,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ray_ps_plugin._client import ClientBase, ClientSetup, ModelHook
-from ray_ps_plugin._codec import Codec, as_torch, to_numpy
+from ray_ps_plugin._codec import Codec, to_numpy
 from ray_ps_plugin._nonfinite import all_finite
-from ray_ps_plugin._param.layout import pieces, single_dtype, split_bounds
+from ray_ps_plugin._param.flat import FlatParams
+from ray_ps_plugin._param.layout import single_dtype, split_bounds
 from ray_ps_plugin._param.shard import Reply
-from ray_ps_plugin._shm import Segment
 from ray_ps_plugin._transport import Lane, Transport, open_lanes, wait_all
 from ray_ps_plugin._types import staleness_bound
 
@@ -50,12 +49,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["ParamClient"]
-
-# Elements per chunk of the delta-and-install pass: the chunk's parameters, base,
-# delta and reply (4 x 512 KiB in fp32) stay in cache between the three operations
-# on it. Smaller chunks cost more in per-operation overhead than they save (a 5.8 M
-# parameter model: 6.6 ms at this size, 7.7 ms at half of it, 7.3 ms unchunked).
-_CHUNK = 1 << 17
 
 
 @dataclass
@@ -83,11 +76,9 @@ class ParamClient(ClientBase):
         self._codec = Codec(setup.settings.compression)
         self._staleness = staleness_bound(setup.settings)
         self._transport = transport
-        self._params = list(setup.params)
-        dtype = single_dtype(self._params)
-        numel = sum(p.numel() for p in self._params)
-        self._bounds = split_bounds(numel, setup.num_shards)
-        itemsize = torch.empty(0, dtype=dtype).element_size()
+        params = list(setup.params)
+        self._bounds = split_bounds(sum(p.numel() for p in params), setup.num_shards)
+        itemsize = torch.empty(0, dtype=single_dtype(params)).element_size()
         # Shards of this node are reached through shared memory, slice by slice.
         self._lanes: dict[int, Lane] = open_lanes(
             transport,
@@ -98,41 +89,18 @@ class ParamClient(ClientBase):
             },
             setup.rank,
         )
-        # The values this client last put into the model (host copy): a step's delta
-        # is the parameters after the optimizer step minus these.
-        self._base = torch.empty(numel, dtype=dtype)
+        # The model's parameters as this worker exchanges them; the snapshot taken
+        # now is what rank 0 seeds the shards with.
+        self._flat = FlatParams(
+            params, self._bounds, {s: lane.inputs for s, lane in self._lanes.items()}
+        )
         # The weight the shards give one worker's delta (see ParamShard._push_pull).
         self._scale = 1.0 / setup.world_size
-        # Only shards reached by message need a host delta; colocated ones get theirs
-        # written straight into shared memory.
-        by_message = len(self._lanes) < setup.num_shards
-        self._delta = torch.empty(numel if by_message else 0, dtype=dtype)
-        self._on_gpu = any(p.is_cuda for p in self._params)
-        self._flat = torch.empty(numel if self._on_gpu else 0, dtype=dtype)  # GPU staging
-        # Whether a pass over the parameters' flat views writes the model itself
-        # (contiguous CPU parameters), or the values go in with a copy afterwards.
-        self._writes_in_place = not self._on_gpu and all(p.is_contiguous() for p in self._params)
-        self._np_dtype = to_numpy(self._base).dtype
-        # Where each shard's delta is computed: straight into the shared memory of a
-        # colocated shard (saving a copy), else into ``_delta`` for the message.
-        self._delta_parts = [
-            self._lane_tensor(self._lanes[s].inputs, b - a)
-            if s in self._lanes
-            else self._delta[a:b]
-            for s, (a, b) in enumerate(self._slices())
-        ]
-        # Where each parameter's values lie among the shards' slices: deltas and
-        # installs run per (parameter, shard) piece, with no flat intermediate copy.
-        self._pieces = pieces([p.numel() for p in self._params], self._bounds)
-        # Each parameter's first element in the flat vector (also for empty ones,
-        # which have no piece).
-        self._offsets = list(itertools.accumulate((p.numel() for p in self._params), initial=0))
         # Bytes exchanged with each shard per push or reply: shared memory carries the
         # parameters' dtype, messages the codec's.
-        local_size = self._base.element_size()
-        encoded_size = self._codec.encoded_dtype.itemsize if self._codec.active else local_size
+        encoded_size = self._codec.encoded_dtype.itemsize if self._codec.active else itemsize
         self._slice_bytes = [
-            (b - a) * (local_size if s in self._lanes else encoded_size)
+            (b - a) * (itemsize if s in self._lanes else encoded_size)
             for s, (a, b) in enumerate(self._slices())
         ]
         self._clock = 0
@@ -146,7 +114,6 @@ class ParamClient(ClientBase):
         self._gaps_sum = 0
         self._samples = 0
         self._finished = False
-        self._snapshot_params()  # rank 0 seeds the shards with this copy
 
     @classmethod
     def build(cls, setup: ClientSetup, transport: Transport) -> ParamClient:
@@ -170,7 +137,7 @@ class ParamClient(ClientBase):
         after DDP's initial broadcast); it waits so a failure surfaces here."""
         if self.rank != 0:
             return
-        base = to_numpy(self._base)
+        base = to_numpy(self._flat.base)
         handles = [
             self._transport.call(s, "init", self.model_id, base[a:b])
             for s, (a, b) in enumerate(self._slices())
@@ -240,7 +207,7 @@ class ParamClient(ClientBase):
         # SGD and DDP take (Ray's linear example did). The install shares one pass
         # over the parameters with taking the delta, so it comes before the push;
         # the previous reply's output segment is not the one this push answers in.
-        # A reply ssp already installed before the forward pass is ``_base`` now:
+        # A reply ssp already installed before the forward pass is the base now:
         # it is neither installed nor counted a second time.
         self._advance(None if self._installed else previous, self._clock % 2)
         self._inflight = _InFlight(self._clock + 1, self._push(), time.perf_counter())
@@ -255,7 +222,7 @@ class ParamClient(ClientBase):
         self._clock += 1
         slot = self._clock % 2
         by_message = len(self._lanes) < self.num_shards
-        delta = self._codec.encode(self._delta) if by_message else None
+        delta = self._codec.encode(self._flat.delta) if by_message else None
         handles = []
         for s, (a, b) in enumerate(self._slices()):
             if s in self._lanes:
@@ -318,8 +285,8 @@ class ParamClient(ClientBase):
         """
         self.flush()
         self._generation += 1
-        self._snapshot_params()
-        base = to_numpy(self._base)
+        self._flat.snapshot()
+        base = to_numpy(self._flat.base)
         if self.rank == 0:
             handles = [
                 self._transport.call(s, "reseed", self.model_id, self._generation, base[a:b])
@@ -365,87 +332,35 @@ class ParamClient(ClientBase):
             lane.close()
 
     # --- helpers ------------------------------------------------------------------
-    def _snapshot_params(self) -> None:
-        self._flatten(self._base)
-
-    def _flatten(self, out: torch.Tensor) -> None:
-        flat = [p.detach().reshape(-1) for p in self._params]
-        if not flat:
-            return
-        if not self._on_gpu:
-            torch.cat(flat, out=out)
-        else:  # GPU parameters are staged through the host buffer
-            out.copy_(torch.cat(flat))
-
-    def _host_params(self) -> list[torch.Tensor]:
-        """Flat host views of the parameters (a staged copy when they live on GPU)."""
-        if not self._on_gpu:
-            return [p.detach().reshape(-1) for p in self._params]
-        self._flatten(self._flat)
-        return [self._flat[o : o + p.numel()] for o, p in zip(self._offsets, self._params)]
-
     def _slices(self) -> list[tuple[int, int]]:
         return list(zip(self._bounds, self._bounds[1:]))
 
-    def _lane_tensor(self, seg: Segment, numel: int) -> torch.Tensor:
-        return as_torch(seg.view(0, self._np_dtype, numel))
-
     def _install(self, replies: list[Reply], slot: int) -> None:
-        """Writes the shards' replies into the model (and ``_base``)."""
+        """Writes the shards' replies into the model (and the installed copy)."""
         sources = self._sources(replies, slot)
         assert sources is not None
-        with torch.no_grad():
-            for pc in self._pieces:
-                src = sources[pc.shard][pc.s0 : pc.s0 + pc.numel]
-                self._base[pc.flat0 : pc.flat0 + pc.numel].copy_(src)
-            self._write_params()
+        self._flat.install(sources)
         self._note_replies(replies)
 
     def _advance(self, replies: list[Reply] | None, slot: int) -> None:
         """Takes this step's delta into the push buffers and installs the replies plus
-        ``delta / W`` (into the model and ``_base``).
-
-        One pass per chunk small enough to stay in cache: delta = params - base;
-        params = reply + delta / W; base = params. Memory traffic, not arithmetic, is
-        what these passes cost: each chunk's parameters and base are read from memory
-        once, and everything after the first operation on it hits the cache. With
-        ``nan_policy="raise"`` the pass also sums each chunk of the delta (in cache)
-        and raises before the push if the update is not finite.
+        ``delta / W`` (see :meth:`FlatParams.advance`). With ``nan_policy="raise"``
+        the same pass sums each chunk of the delta (in cache), and a non-finite
+        update raises before the push.
 
         Args:
             replies: The newest replies (one per shard), or ``None`` (first step, or
-                right after :meth:`flush`): then the step is added to ``_base``.
+                right after :meth:`flush`): then the step is added to the installed copy.
             slot: The output segment that colocated shards answered in.
 
         Raises:
             PSError: The update holds NaN or Inf (``nan_policy="raise"``).
         """
-        sources = self._sources(replies, slot)
-        host = self._host_params()
         check = self.guard.policy == "raise"
-        sums: list[torch.Tensor] = []
-        with torch.no_grad():
-            for pc in self._pieces:
-                n = pc.numel
-                cur = host[pc.param][pc.p0 : pc.p1]
-                base = self._base[pc.flat0 : pc.flat0 + n]
-                delta = self._delta_parts[pc.shard][pc.s0 : pc.s0 + n]
-                src = base if sources is None else sources[pc.shard][pc.s0 : pc.s0 + n]
-                for lo in range(0, n, _CHUNK):
-                    hi = min(lo + _CHUNK, n)
-                    c, b, d = cur[lo:hi], base[lo:hi], delta[lo:hi]
-                    torch.sub(c, b, out=d)
-                    if check:
-                        sums.append(d.sum(dtype=torch.float32))
-                    # Into the parameters first, then base from them: the install
-                    # writes the chunk the optimizer step left in cache (measured
-                    # 4.2 ms against 5.0 ms the other way round, 5.8 M parameters).
-                    torch.add(src[lo:hi], d, alpha=self._scale, out=c)
-                    b.copy_(c)
-            if check and sums:
-                self.guard.check_update(self.next_step, all_finite(torch.stack(sums)))
-            if not self._writes_in_place:
-                self._write_params()
+        sums = self._flat.advance(self._sources(replies, slot), self._scale, check)
+        if check and sums:
+            self.guard.check_update(self.next_step, all_finite(torch.stack(sums)))
+        self._flat.publish()
         if replies is not None:
             self._note_replies(replies)
 
@@ -466,16 +381,11 @@ class ParamClient(ClientBase):
         if replies is None:
             return None
         return [
-            self._lane_tensor(self._lanes[s].outputs[slot], b - a)
+            self._flat.segment_tensor(self._lanes[s].outputs[slot], b - a)
             if r.params is None
-            else self._codec.decode(r.params, self._base.dtype)
+            else self._codec.decode(r.params, self._flat.base.dtype)
             for s, ((a, b), r) in enumerate(zip(self._slices(), replies))
         ]
-
-    def _write_params(self) -> None:
-        """Copies ``_base`` into the parameters (host to device for GPU ones)."""
-        for o, p in zip(self._offsets, self._params):
-            p.detach().copy_(self._base[o : o + p.numel()].view(p.shape))
 
     def _sample_staleness(self) -> None:
         """Counts one staleness sample: how many clocks the slowest worker's

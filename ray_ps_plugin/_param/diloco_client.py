@@ -195,21 +195,12 @@ class DilocoClient(ParamClient):
         self._installed = False
 
     def _take_delta(self) -> None:
-        """``delta = params - global`` into the push buffers, per (parameter, shard)
-        piece; with ``nan_policy="raise"`` a non-finite change raises before the push.
+        """``delta = params - global`` into the push buffers; with
+        ``nan_policy="raise"`` a non-finite change raises before the push.
 
         Raises:
             PSError: The change holds NaN or Inf (``nan_policy="raise"``).
         """
-        host = self._host_params()
-        sums: list[torch.Tensor] = []
-        with torch.no_grad():
-            for pc in self._pieces:
-                n = pc.numel
-                delta = self._delta_parts[pc.shard][pc.s0 : pc.s0 + n]
-                base = self._base[pc.flat0 : pc.flat0 + n]
-                torch.sub(host[pc.param][pc.p0 : pc.p1], base, out=delta)
-                if self.guard.policy == "raise":
-                    sums.append(delta.sum(dtype=torch.float32))
+        sums = self._flat.take_delta(self.guard.policy == "raise")
         if sums:
             self.guard.check_update(self.next_step - 1, all_finite(torch.stack(sums)))

@@ -330,7 +330,7 @@ def test_a_restore_with_the_outer_state_continues_exactly(loop):
     for m in restored:
         torch.nn.utils.vector_to_parameters(params.clone(), m.parameters())
     for c in clients2:
-        c._snapshot_params()
+        c._flat.snapshot()
     clients2[0].reseed()  # rank 0's loaded parameters reach the new shards
     for c in clients2:
         c.load_outer_state_dict(outer)

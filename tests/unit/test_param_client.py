@@ -8,6 +8,7 @@ import torch
 
 from ray_ps_plugin._errors import PSError, PSTimeoutError
 from ray_ps_plugin._param.client import ParamClient
+from ray_ps_plugin._param.flat import FlatParams
 from ray_ps_plugin._param.layout import pieces as _pieces
 from ray_ps_plugin._param.layout import split_bounds
 from tests.unit.fakes import FakeTransport, LoggedParamShard, LoopThread, Settings, setup_for
@@ -347,13 +348,14 @@ def test_pieces_cut_parameters_at_shard_bounds():
     ]
 
 
-def test_gpu_staging_offsets_count_empty_parameters(loop):
+def test_flat_offsets_count_empty_parameters():
     # An empty parameter has no piece; the offsets must still line up with the list.
-    model = torch.nn.ParameterList([torch.zeros(3), torch.zeros(0), torch.zeros(2)])
-    client = ParamClient.build(
-        setup_for(model, 0, 1, 1, Settings(mode="async")), FakeTransport(loop, [])
-    )
-    assert client._offsets[:3] == [0, 3, 3]
+    params = [torch.zeros(3), torch.zeros(0), torch.zeros(2)]
+    flat = FlatParams(params, [0, 5], {})
+    flat.base.copy_(torch.arange(5.0))
+    flat.write_params()
+    assert [p.tolist() for p in params] == [[0.0, 1.0, 2.0], [], [3.0, 4.0]]
+    assert [h.tolist() for h in flat.host_params()] == [[0.0, 1.0, 2.0], [], [3.0, 4.0]]
 
 
 def test_load_state_dict_after_prepare_reaches_the_shards(loop):
