@@ -35,7 +35,8 @@ from typing import Any
 import numpy as np
 
 import ray_ps_plugin
-from ray_ps_plugin._sync.wire import Frame, WireServer, WireStreams
+from ray_ps_plugin._sync.frames import Frame
+from ray_ps_plugin._sync.wire import WireServer, WireStreams
 
 TOKEN = bytes(range(32))
 

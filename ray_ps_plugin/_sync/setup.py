@@ -10,8 +10,9 @@ import secrets
 from collections.abc import Sequence
 from typing import Any
 
+from ray_ps_plugin._sync.frames import TOKEN_BYTES
 from ray_ps_plugin._sync.topology import Topology
-from ray_ps_plugin._sync.wire import TOKEN_BYTES, WireStreams
+from ray_ps_plugin._sync.wire import WireStreams
 from ray_ps_plugin._types import RunSettings
 
 __all__ = ["connect_shards", "open_direct_path"]

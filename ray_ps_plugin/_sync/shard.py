@@ -5,8 +5,9 @@ into one accumulator and, once all workers have pushed, answers every one of the
 with the sum. Workers divide by the world size *before* pushing, exactly as DDP's
 default hook does before its all-reduce, so the result is DDP's arithmetic.
 
-Each prepared model of the run has its own slots and segments on the shard (keyed
-by the model's id), so two models with equal shapes never mix their sums.
+Each prepared model of the run has its own accumulators and shared-memory segments
+on the shard (:mod:`ray_ps_plugin._sync.sums`, keyed by the model's id), so two
+models with equal shapes never mix their sums.
 
 Across nodes (see :mod:`ray_ps_plugin._sync.topology`) a shard also listens on a
 direct TCP data path (:mod:`ray_ps_plugin._sync.wire`) and, if it is its node's
@@ -18,58 +19,25 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from ray_ps_plugin._codec import Codec
-from ray_ps_plugin._dtypes import BF16_BITS, bf16_to_f32, storage
+from ray_ps_plugin._dtypes import BF16_BITS, bf16_to_f32
 from ray_ps_plugin._errors import ShardLinkError, ShardProtocolError, ShardTimeoutError
 from ray_ps_plugin._rows import RowEntry, RowSums, pack, unpack
 from ray_ps_plugin._shard import ShardBase
-from ray_ps_plugin._shm import Segment, SegmentHandle
+from ray_ps_plugin._shm import SegmentHandle
+from ray_ps_plugin._sync.frames import LOCAL, ROWS, Frame, unpack_local
+from ray_ps_plugin._sync.sums import ChunkSums, Slot
 from ray_ps_plugin._sync.topology import Topology
-from ray_ps_plugin._sync.wire import LOCAL, ROWS, Frame, WireServer, WireStreams, unpack_local
+from ray_ps_plugin._sync.wire import WireServer, WireStreams
 from ray_ps_plugin._types import Compression
 
 __all__ = ["SumShard"]
 
 #: The answer to a local push: the sums are in shared memory.
 _NO_DATA = np.empty(0, np.uint8)
-
-
-@dataclass
-class _Slot:
-    """Accumulator of one chunk for one step."""
-
-    step: int
-    acc: np.ndarray  # the sum, in the dtype the shard computes in
-    expected: frozenset[int]  # the sources whose pushes complete it
-    owner: int  # the shard that owns the chunk (another one: this shard relays)
-    ranks: set[int] = field(default_factory=set)  # sources that pushed so far
-    encoded: np.ndarray | None = None  # the sum in the encoded format, once complete
-    shared: bool = False  # whether ``acc`` lies in the model's output segment
-    # Where this node's workers read the sum when it is held differently from
-    # ``acc`` (bfloat16 patterns in the output segment, while ``acc`` is float32).
-    out: np.ndarray | None = None
-    by_message: bool = False  # some worker pushed (so pulls) by message, not shared memory
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-    error: Exception | None = None  # why a relayed sum failed, for every waiter
-
-
-@dataclass
-class _SumState:
-    """One prepared model's state on this shard."""
-
-    # Two slots per chunk, by step parity. A worker can push step s+2 only after
-    # every worker pushed s+1, i.e. after every worker has received step s's sum,
-    # so the slot of step s is free again by then and never reallocated.
-    slots: dict[tuple[int, int], _Slot] = field(default_factory=dict)
-    # Shared memory with workers of this node: one input segment per worker, and
-    # the sums in two output segments, by step parity as the slots.
-    inputs: dict[int, Segment] = field(default_factory=dict)
-    outputs: list[Segment] = field(default_factory=list)
-    lo: int = 0  # stream byte at which the segments start
 
 
 class SumShard(ShardBase):
@@ -91,12 +59,12 @@ class SumShard(ShardBase):
     ) -> None:
         super().__init__(shard_index, num_workers, timeout_s)
         self._codec = Codec(compression)
-        self._models: dict[int, _SumState] = {}
         self._topology: Topology | None = None
         self._own_sources = frozenset(range(num_workers))
         self._relayed: frozenset[int] = frozenset()
         self._wire_server: WireServer | None = None
         self._relay_streams: WireStreams | None = None
+        self._sums = ChunkSums(shard_index, self._codec, self._describe)
         self._rows = RowSums(shard_index, num_workers, timeout_s)
 
     async def open_wire(self, token: bytes, host: str | None = None) -> tuple[str, int]:
@@ -170,9 +138,6 @@ class SumShard(ShardBase):
         assert out is not None
         return out
 
-    def _model(self, model: int) -> _SumState:
-        return self._models.setdefault(model, _SumState())
-
     def attach(
         self, model: int, rank: int, inputs: SegmentHandle, lo: int, nbytes: int
     ) -> tuple[SegmentHandle, ...]:
@@ -197,18 +162,7 @@ class SumShard(ShardBase):
             ShardProtocolError: If workers describe the shard's range differently.
         """
         self._check(model, rank)
-        state = self._model(model)
-        if not state.outputs:
-            state.lo = lo
-            state.outputs = [Segment.create(nbytes), Segment.create(nbytes)]
-        elif (lo, nbytes) != (state.lo, state.outputs[0].handle.nbytes):
-            raise ShardProtocolError(
-                f"shard {self.shard_index}: model {model}: rank {rank} describes the "
-                f"shard's range as {nbytes} bytes at {lo}, others as "
-                f"{state.outputs[0].handle.nbytes} at {state.lo}; the workers' models differ."
-            )
-        state.inputs[rank] = Segment.open(inputs)
-        return tuple(s.handle for s in state.outputs)
+        return self._sums.attach(model, rank, inputs, lo, nbytes)
 
     async def push_local(
         self,
@@ -244,21 +198,7 @@ class SumShard(ShardBase):
                 attach.
         """
         self._check(model, rank, dtype)
-        state = self._model(model)
-        if rank not in state.inputs:
-            raise ShardProtocolError(
-                f"shard {self.shard_index}: model {model}: rank {rank} pushed through "
-                "shared memory without attaching first."
-            )
-        segment = state.inputs[rank]
-        grads = []
-        for key, numel, owner in chunks:
-            if owner is not None and not isinstance(owner, int):
-                raise ShardProtocolError(
-                    f"shard {self.shard_index}: owner {owner!r} is not a shard index."
-                )
-            # Segment.view refuses a range outside the segment.
-            grads.append((key, segment.view(key - state.lo, storage(dtype), numel), owner))
+        grads = self._sums.input_views(model, rank, dtype, chunks)
         with self._queued():
             await asyncio.gather(
                 *(
@@ -324,7 +264,8 @@ class SumShard(ShardBase):
         owner: int | None = None,
     ) -> np.ndarray | None:
         owner = self.shard_index if owner is None else owner
-        slot = self._slot_for(model, step, key, grad, dtype, owner)
+        expected = self._own_sources if owner == self.shard_index else self._relayed
+        slot = self._sums.slot_for(model, step, key, grad, dtype, owner, expected)
         if rank not in slot.expected:
             raise ShardProtocolError(
                 f"shard {self.shard_index}: model {model}: step {step}, chunk at byte {key}: "
@@ -344,7 +285,7 @@ class SumShard(ShardBase):
             self._bytes_in += nbytes
             if len(slot.ranks) == len(slot.expected):
                 if owner == self.shard_index:
-                    self._complete(model, slot, key, dtype)
+                    self._sums.complete(model, slot, key, dtype)
                 else:
                     await self._relay(model, slot, key, dtype)
         if not slot.done.is_set():
@@ -407,45 +348,10 @@ class SumShard(ShardBase):
         self._bytes_out += sum(r.nbytes + v.nbytes for r, v in answers)
         return answers
 
-    def _share(self, model: int, slot: _Slot, key: int, dtype: str) -> None:
-        """Places a finished slot's sum where this node's workers read it: moves the
-        accumulator into the model's output segment, or, where the segment holds the
-        sum in another form (bfloat16 patterns), points ``slot.out`` at its place.
-
-        Moving is needed when the slot began before a worker attached (only possible
-        in step 1).
-        """
-        state = self._models[model]
-        if not state.outputs or slot.shared or slot.out is not None:
-            return
-        held = storage(dtype)
-        out = self._output_view(state, slot.step, key, held, slot.acc.size)
-        if held == slot.acc.dtype:
-            np.copyto(out, slot.acc)
-            slot.acc, slot.shared = out, True
-        else:
-            slot.out = out
-
-    def _complete(self, model: int, slot: _Slot, key: int, dtype: str) -> None:
-        """Makes the finished sum readable by every worker, then releases them."""
-        self._share(model, slot, key, dtype)
-        if slot.out is not None:
-            # bfloat16: the patterns go into the output segment, and are the encoded
-            # format as well (bfloat16 travels as bfloat16).
-            self._codec.encode_np(slot.acc, dtype, out=slot.out)
-            slot.encoded = slot.out
-        elif self._codec.converts(dtype) and slot.by_message:
-            # Some workers receive the sum by message: round it once, in place, so a
-            # worker reading shared memory gets exactly the values they decode. (When
-            # every worker shares memory, nothing is encoded and nothing rounded.)
-            slot.encoded = self._codec.encode_np(slot.acc, dtype)
-            np.copyto(slot.acc, self._codec.decode_np(slot.encoded, dtype))
-        slot.done.set()
-
-    async def _relay(self, model: int, slot: _Slot, key: int, dtype: str) -> None:
+    async def _relay(self, model: int, slot: Slot, key: int, dtype: str) -> None:
         """Sends this node's partial sum to the owner; leaves the answer for every
         local waiter. A failure fails all of them with the same error."""
-        self._share(model, slot, key, dtype)
+        self._sums.share(model, slot, key, dtype)
         converts = self._codec.converts(dtype)
         try:
             if self._relay_streams is None or self._topology is None:
@@ -490,56 +396,6 @@ class SumShard(ShardBase):
             slot.error = e
         finally:
             slot.done.set()
-
-    @staticmethod
-    def _output_view(
-        state: _SumState, step: int, key: int, dtype: np.dtype, size: int
-    ) -> np.ndarray:
-        return state.outputs[step % 2].view(key - state.lo, dtype, size)
-
-    def _slot_for(
-        self, model: int, step: int, key: int, grad: np.ndarray, dtype: str, owner: int
-    ) -> _Slot:
-        state = self._model(model)
-        slot = state.slots.get((key, step % 2))
-        where = f"shard {self.shard_index}: model {model}: step {step}, chunk at byte {key}"
-        if slot is not None and slot.step == step:
-            if slot.acc.shape != grad.shape or slot.acc.dtype != grad.dtype:
-                raise ShardProtocolError(
-                    f"{where} got {grad.dtype}{list(grad.shape)} after {slot.acc.dtype}"
-                    f"{list(slot.acc.shape)}; the workers' models differ."
-                )
-            return slot
-        if slot is not None and slot.step > step:
-            raise ShardProtocolError(
-                f"{where}: the push arrived after step {slot.step}; the workers are out of step."
-            )
-        if slot is not None and not slot.done.is_set():
-            missing = ", ".join(self._describe(s) for s in sorted(slot.expected - slot.ranks))
-            raise ShardProtocolError(
-                f"{where} started while step {slot.step} still waits for "
-                f"{missing or 'the owner shard'}."
-            )
-        # The sum is accumulated in the output segment itself where the segment holds
-        # it in the dtype the shard computes in (not bfloat16 patterns).
-        shared = bool(state.outputs) and storage(dtype) == grad.dtype
-        if shared:
-            acc = self._output_view(state, step, key, grad.dtype, grad.size)
-        elif slot is not None and slot.acc.shape == grad.shape and slot.acc.dtype == grad.dtype:
-            acc = slot.acc  # reuse the buffer: no allocation in the steady state
-        else:
-            acc = np.empty_like(grad)
-        if owner == self.shard_index:
-            expected = self._own_sources
-        elif self._relayed:
-            expected = self._relayed
-        else:
-            raise ShardProtocolError(
-                f"{where} is owned by shard {owner}, and this shard relays for no one."
-            )
-        slot = _Slot(step=step, acc=acc, expected=expected, owner=owner, shared=shared)
-        state.slots[(key, step % 2)] = slot
-        return slot
 
 
 def _values(held: np.ndarray) -> np.ndarray:

@@ -3,42 +3,24 @@
 Through Ray's object store every cross-node chunk is an object that is created,
 sealed, located, pulled by the object managers and read back: several round trips
 and copies per chunk, which cost more than the bytes on a 1 Gbit/s link. Here a
-chunk is one frame on a long-lived TCP connection from the pusher (a worker, or a
-node's relay shard) to the owner shard: a fixed header, then the chunk's bytes,
-sent straight from the gradient buffer (``sendall`` on a memoryview) and received
-straight into a fresh array (``recv_into``). The answer — the sum — comes back the
-same way on the same connection. Both ends move bytes with blocking sockets on
-threads of their own, which hold no GIL while bytes move: a shard accepts in its
-event loop and reads and answers each connection on two threads
-(:class:`WireServer`), handing each complete push to the event loop; pushers —
-workers, and relay shards — do the same from their side (:class:`WireStreams`).
+chunk is one frame (:mod:`ray_ps_plugin._sync.frames`) on a long-lived TCP
+connection from the pusher (a worker, or a node's relay shard) to the owner shard: a
+fixed header, then the chunk's bytes, sent straight from the gradient buffer
+(``sendall`` on a memoryview) and received straight into a fresh array
+(``recv_into``). The answer — the sum — comes back the same way on the same
+connection. Both ends move bytes with blocking sockets on threads of their own,
+which hold no GIL while bytes move: a shard accepts in its event loop and reads and
+answers each connection on two threads (:class:`WireServer`), handing each complete
+push to the event loop; pushers — workers, and relay shards — do the same from their
+side (:class:`WireStreams`).
 
 Ray still starts, places and supervises every process: the shard opens its
 listening socket on its node's address when the backend asks
 (:meth:`WireServer.start`), and the addresses reach the workers with the rest of the
 run's description. Failure handling stays Ray's and the callers': a broken
 connection fails every push waiting on it (a ``ConnectionError`` naming the
-shard), and every wait is bounded by the caller (``ps_timeout_s``).
-
-Frames (little-endian)::
-
-    header  = magic(4) kind(u8) dtype(u8) model(i32) step(i64) key(i64) source(i32) nbytes(i64)
-    payload = nbytes bytes
-
-``kind`` is a push, an answer or an error (the payload is then a UTF-8 message), or
-a *local push*: a worker's notice to a shard of its own node that chunks already lie
-in their shared-memory segment (the payload lists ``(key, numel, owner)`` of each as
-``int64`` triples, owner ``-1`` for the shard itself; ``key`` is the first chunk's;
-the answer carries no data). As a Ray call, each such notice and its reply sit at
-the ends of every step's transfer, where a loaded machine pays more for them than
-for a frame on a socket already open. A push is matched to its answer by
-``(model, step, key)``, unique per connection because a source pushes each chunk of
-a step once.
-
-A connection opens with the run's secret token (:data:`TOKEN_BYTES` random bytes the
-backend draws and hands to shards and workers through Ray, which authenticates its
-own traffic). A shard closes a connection that does not present it, so the port
-accepts pushes only from processes of the run.
+shard), and every wait is bounded by the caller (``ps_timeout_s``). Only processes
+of the run can push: a connection opens with the run's secret token.
 """
 
 from __future__ import annotations
@@ -48,190 +30,33 @@ import concurrent.futures
 import contextlib
 import hmac
 import logging
-import queue
 import socket
-import struct
 import threading
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
-from ray_ps_plugin._dtypes import MODEL_DTYPES
+from ray_ps_plugin._sync.frames import (
+    ANSWER,
+    ERROR,
+    HEADER_BYTES,
+    LOCAL,
+    PUSH,
+    ROWS,
+    ROWS_KEY,
+    TOKEN_BYTES,
+    Frame,
+    FrameSender,
+    pack_local,
+    recv_exact,
+    tune_socket,
+)
 
-__all__ = [
-    "DTYPES",
-    "ROWS",
-    "ROWS_KEY",
-    "Frame",
-    "RemoteError",
-    "WireServer",
-    "WireStreams",
-    "pack_local",
-    "unpack_local",
-]
+__all__ = ["RemoteError", "WireServer", "WireStreams"]
 
 logger = logging.getLogger(__name__)
 
-_HEADER = struct.Struct("<4sBBiqqiq")
-_MAGIC = b"PSW1"
-PUSH, ANSWER, ERROR, LOCAL, ROWS = 0, 1, 2, 3, 4
-#: The key of a ``ROWS`` frame: one per model, step and shard (chunk keys are >= 0).
-ROWS_KEY = -1
-
-#: Element types a frame may name (the model's dtype; the payload is in the wire
-#: format the run's compression chooses), by their index in the header.
-DTYPES = MODEL_DTYPES
-
-#: Length of the per-run token a connection starts with.
-TOKEN_BYTES = 32
-
-
-@dataclass(frozen=True)
-class Frame:
-    """One frame's header.
-
-    Attributes:
-        kind: ``PUSH``, ``ANSWER``, ``ERROR``, ``LOCAL`` or ``ROWS`` (the touched
-            rows of a model's sparse tables, packed by :func:`ray_ps_plugin._rows.pack`).
-        dtype: The model's dtype (an entry of :data:`DTYPES`).
-        model: The prepared model's id.
-        step: The synchronisation round.
-        key: The chunk's byte offset in the model's gradient stream.
-        source: Who pushes (a worker rank or a relay's source id).
-        nbytes: Payload size.
-    """
-
-    kind: int
-    dtype: str
-    model: int
-    step: int
-    key: int
-    source: int
-    nbytes: int
-
-    def pack(self) -> bytes:
-        return _HEADER.pack(
-            _MAGIC,
-            self.kind,
-            DTYPES.index(self.dtype),
-            self.model,
-            self.step,
-            self.key,
-            self.source,
-            self.nbytes,
-        )
-
-    @classmethod
-    def unpack(cls, raw: bytes | bytearray | memoryview) -> Frame:
-        magic, kind, dtype, model, step, key, source, nbytes = _HEADER.unpack(raw)
-        if (
-            magic != _MAGIC
-            or kind not in (PUSH, ANSWER, ERROR, LOCAL, ROWS)
-            or dtype >= len(DTYPES)
-        ):
-            raise ConnectionError("not a ray_ps_plugin frame: the stream is corrupt")
-        if nbytes < 0:
-            raise ConnectionError(f"frame with a negative size {nbytes}")
-        return cls(kind, DTYPES[dtype], model, step, key, source, nbytes)
-
-
-def pack_local(chunks: Sequence[tuple[int, int, int | None]]) -> np.ndarray:
-    """The payload of a local push: ``(key, numel, owner)`` per chunk."""
-    return np.array(
-        [(key, numel, -1 if owner is None else owner) for key, numel, owner in chunks],
-        dtype="<i8",
-    ).reshape(-1)
-
-
-def unpack_local(payload: np.ndarray) -> list[tuple[int, int, int | None]]:
-    """The chunks a local push names (see :func:`pack_local`)."""
-    if payload.nbytes % 24:
-        raise ConnectionError(f"a local push of {payload.nbytes} bytes is not whole triples")
-    triples = payload.view("<i8").reshape(-1, 3).tolist()
-    return [(key, numel, None if owner < 0 else owner) for key, numel, owner in triples]
-
-
-def _tune(sock: socket.socket) -> None:
-    # No SO_SNDBUF/SO_RCVBUF: fixed buffers turn the kernel's autotuning off, and
-    # large fixed windows let a flow overrun a switch's shallow queue; autotuning
-    # sizes the window to the path.
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setblocking(False)
-
-
 Handler = Callable[[Frame, np.ndarray], Awaitable[np.ndarray]]
-
-
-def _recv_exact_blocking(sock: socket.socket, buf: memoryview) -> None:
-    while buf.nbytes:
-        n = sock.recv_into(buf)
-        if n == 0:
-            raise ConnectionError("the peer closed the connection")
-        buf = buf[n:]
-
-
-def _send_blocking(sock: socket.socket, frame: Frame, payload: np.ndarray | bytes) -> None:
-    sock.sendall(frame.pack())
-    if frame.nbytes:
-        sock.sendall(payload if isinstance(payload, bytes) else payload.data.cast("B"))
-
-
-class _Sender:
-    """A connection's outgoing frames, sent in order by a thread of its own.
-
-    The thread first calls ``connect`` (so whoever queues frames never waits for a
-    connection), then sends. Blocking ``sendall`` releases the GIL for the whole
-    transfer, so a frame in flight costs the queueing thread nothing.
-
-    Args:
-        connect: Returns the connected socket (or raises ``OSError``).
-        name: The thread's name.
-        on_error: Called with the ``OSError`` and whether it came from ``connect``;
-            ``None``: the peer went away, and its waits end there.
-        on_connected: Called with the socket once connected (before any send).
-    """
-
-    def __init__(
-        self,
-        connect: Callable[[], socket.socket],
-        name: str,
-        on_error: Callable[[OSError, bool], None] | None = None,
-        on_connected: Callable[[socket.socket], None] | None = None,
-    ) -> None:
-        self._connect = connect
-        self._on_error = on_error
-        self._on_connected = on_connected
-        self._queue: queue.SimpleQueue[tuple[Frame, np.ndarray | bytes] | None] = (
-            queue.SimpleQueue()
-        )
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def put(self, frame: Frame, payload: np.ndarray | bytes) -> None:
-        self._queue.put((frame, payload))
-
-    def close(self, timeout_s: float | None = None) -> None:
-        """Sends what is queued, then stops; waits up to ``timeout_s`` if given."""
-        self._queue.put(None)
-        if timeout_s is not None:
-            self._thread.join(timeout_s)
-
-    def _run(self) -> None:
-        try:
-            sock = self._connect()
-        except OSError as e:
-            if self._on_error is not None:
-                self._on_error(e, True)
-            return
-        if self._on_connected is not None:
-            self._on_connected(sock)
-        try:
-            while (item := self._queue.get()) is not None:
-                _send_blocking(sock, *item)
-        except OSError as e:
-            if self._on_error is not None:
-                self._on_error(e, False)
 
 
 class WireServer:
@@ -284,7 +109,7 @@ class WireServer:
         loop = asyncio.get_running_loop()
         while True:
             conn, _ = await loop.sock_accept(listener)
-            _tune(conn)
+            tune_socket(conn)
             conn.setblocking(True)
             self._conns.add(conn)
             threading.Thread(
@@ -294,23 +119,23 @@ class WireServer:
     def _serve(self, conn: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
         # Pushes are read as they come and answered as their sums complete, in any
         # order; the sender thread keeps answers from interleaving on the stream.
-        sender = _Sender(lambda: conn, "ps-wire-answer")
+        sender = FrameSender(lambda: conn, "ps-wire-answer")
         try:
             presented = bytearray(TOKEN_BYTES)
             conn.settimeout(self._token_timeout_s)
-            _recv_exact_blocking(conn, memoryview(presented))
+            recv_exact(conn, memoryview(presented))
             if not hmac.compare_digest(bytes(presented), self._token):
                 logger.warning("closed a data-path connection without the run's token")
                 return
             conn.settimeout(None)
-            head = bytearray(_HEADER.size)
+            head = bytearray(HEADER_BYTES)
             while True:
-                _recv_exact_blocking(conn, memoryview(head))
+                recv_exact(conn, memoryview(head))
                 frame = Frame.unpack(head)
                 if frame.kind not in (PUSH, LOCAL, ROWS):
                     raise ConnectionError(f"expected a push, got frame kind {frame.kind}")
                 payload = np.empty(frame.nbytes, np.uint8)
-                _recv_exact_blocking(conn, payload.data)
+                recv_exact(conn, payload.data)
                 loop.call_soon_threadsafe(self._spawn, self._answer(sender, frame, payload))
         except (ConnectionError, OSError, RuntimeError):
             pass  # the pusher went away (or the loop closed); its waits end on its side
@@ -322,7 +147,7 @@ class WireServer:
                 conn.shutdown(socket.SHUT_RDWR)  # also wakes the sender if it blocks
             conn.close()
 
-    async def _answer(self, sender: _Sender, frame: Frame, payload: np.ndarray) -> None:
+    async def _answer(self, sender: FrameSender, frame: Frame, payload: np.ndarray) -> None:
         try:
             out = await self._handler(frame, payload)
             reply: np.ndarray | bytes = out
@@ -376,7 +201,7 @@ class _Stream:
         ] = {}
         self._error: BaseException | None = None
         self._sock: socket.socket | None = None
-        self._sender = _Sender(
+        self._sender = FrameSender(
             self._connect,
             f"ps-wire-send-{shard}",
             on_error=self._send_failed,
@@ -411,7 +236,7 @@ class _Stream:
         sock = socket.create_connection(self.address, timeout=self._connect_timeout_s)
         sock.sendall(self._token)
         sock.settimeout(None)
-        _tune(sock)
+        tune_socket(sock)
         sock.setblocking(True)
         return sock
 
@@ -432,10 +257,10 @@ class _Stream:
             self._fail(ConnectionError(f"sending to {self._where()} failed: {error}"))
 
     def _recv_loop(self, sock: socket.socket) -> None:
-        head = bytearray(_HEADER.size)
+        head = bytearray(HEADER_BYTES)
         try:
             while True:
-                _recv_exact_blocking(sock, memoryview(head))
+                recv_exact(sock, memoryview(head))
                 frame = Frame.unpack(head)
                 key = (frame.model, frame.step, frame.key)
                 with self._lock:
@@ -449,7 +274,7 @@ class _Stream:
                     payload = into.reshape(-1).view(np.uint8)  # straight into place
                 else:
                     payload = np.empty(frame.nbytes, np.uint8)
-                _recv_exact_blocking(sock, payload.data)
+                recv_exact(sock, payload.data)
                 if fut is None or fut.done():
                     continue
                 if frame.kind == ERROR:

@@ -11,7 +11,8 @@ import torch
 from ray_ps_plugin._client import ClientSetup
 from ray_ps_plugin._errors import WaitTimeout
 from ray_ps_plugin._param.shard import ParamShard, Reply
-from ray_ps_plugin._sync.wire import LOCAL, PUSH, ROWS, ROWS_KEY, Frame, RemoteError, pack_local
+from ray_ps_plugin._sync.frames import LOCAL, PUSH, ROWS, ROWS_KEY, Frame, pack_local
+from ray_ps_plugin._sync.wire import RemoteError
 
 
 class LoopThread:

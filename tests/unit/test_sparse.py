@@ -12,8 +12,8 @@ from ray_ps_plugin._errors import PSError, ShardProtocolError, ShardTimeoutError
 from ray_ps_plugin._rows import RowSums, row_bounds, sum_rows
 from ray_ps_plugin._sparse import sparse_params
 from ray_ps_plugin._sync.client import SumClient
+from ray_ps_plugin._sync.frames import ROWS as ROWS_FRAME
 from ray_ps_plugin._sync.shard import SumShard
-from ray_ps_plugin._sync.wire import ROWS as ROWS_FRAME
 from tests.unit.fakes import (
     FakeBucket,
     FakeDirect,
