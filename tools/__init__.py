@@ -6,5 +6,7 @@
   ``benchmarks/results/`` (checked by ``tests/unit/test_docs.py``);
 - :mod:`tools.plot_wins`: the README's picture, from the same results.
 
-Each also runs as a script: ``python tools/<name>.py --help``.
+Each also runs as a script: ``python tools/<name>.py --help``. The code of the first
+two lives in the private packages ``tools/_bed/`` and ``tools/_render/``, one module
+per concern; ``netbed.py`` and ``render_docs.py`` re-export their names.
 """

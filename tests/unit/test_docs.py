@@ -88,22 +88,21 @@ def test_every_cited_source_file_exists():
     assert not missing, "\n".join(missing)
 
 
-def test_every_result_the_readme_quotes_records_its_commit():
+def test_every_result_the_readme_quotes_records_its_commit(monkeypatch):
     """The README's figures come from results that name the code they measured, so
     ``render_docs.py --staleness`` can tell when the package has moved on since."""
     rd = _render_docs()
+    from tools._render import results
+
     read = []
-    original = rd._json
+    original = results._json
 
     def recording(name):
         read.append(name)
         return original(name)
 
-    rd._json = recording
-    try:
-        rd.render_text((ROOT / "README.md").read_text(), "README.md")
-    finally:
-        rd._json = original
+    monkeypatch.setattr(results, "_json", recording)
+    rd.render_text((ROOT / "README.md").read_text(), "README.md")
     assert read, "the README quotes no measured figure"
     missing = sorted({n for n in read if "commit" not in original(n)})
     assert not missing, f"results without a recorded commit: {missing}"

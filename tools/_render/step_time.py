@@ -1,0 +1,71 @@
+"""Renderers of ``benchmarks/step_time.py``'s results (``step_time.json``)."""
+
+from __future__ import annotations
+
+import statistics
+
+from .fmt import EMPHASIS, _and, _bold, _faster_or_slower, _provenance, _table, _x
+from .results import RenderError, read_json
+
+# Labels of step-time variants that need a word of explanation in the table.
+STEP_TIME_LABELS = {
+    "ps_sync": "`ps_sync` (shared memory, the default)",
+    "ps_sync_objstore": "`ps_sync_objstore` (`shared_memory=False`)",
+}
+
+
+def _step_ratio(variant: str) -> float:
+    rounds = [r for r in read_json("step_time")["rounds"] if variant in r]
+    if not rounds:
+        raise RenderError(f"step_time.json has no variant {variant!r}")
+    return statistics.median(
+        r[variant]["median_step_s"] / r["ddp"]["median_step_s"] for r in rounds
+    )
+
+
+def step_time_table() -> str:
+    d = read_json("step_time")
+    rows = [
+        [
+            STEP_TIME_LABELS.get(v, f"`{v}`"),
+            f"{ms:.1f}",
+            _bold(_x(_step_ratio(v)), v in EMPHASIS["step_time"]),
+        ]
+        for v, ms in d["median_step_ms"].items()
+    ]
+    table = _table(["variant", "median step (ms)", "ratio to DDP (median of rounds)"], rows)
+    return _provenance("step_time", "step_time", "step_time.json") + "\n\n" + table
+
+
+def step_compare(variant: str) -> str:
+    """``0.93× DDP's step time (7% faster)``, saying which way it goes."""
+    ratio = _step_ratio(variant)
+    return f"{_x(ratio)} DDP's step time ({_faster_or_slower(ratio, lower_wins=True)})"
+
+
+def step_ratio(variant: str) -> str:
+    """Median over rounds of the variant's step time over DDP's, e.g. ``0.86×``."""
+    return _x(_step_ratio(variant))
+
+
+def round_ms(variant: str) -> str:
+    """The variant's median step in each round, e.g. ``41.8 and 53.0 ms``."""
+    rounds = [r[variant] for r in read_json("step_time")["rounds"] if variant in r]
+    return _and(f"{r['median_step_s'] * 1e3:.1f}" for r in rounds) + " ms"
+
+
+def step_bytes() -> str:
+    """Bytes moved per worker and step by sync PS against the minimum."""
+    d = read_json("step_time")
+    ratio = d["bytes_over_minimum"]
+    return (
+        f"{d['ps_bytes_per_worker_step'] / 1e6:.2f} MB against a minimum of "
+        f"{d['min_bytes_per_worker_step'] / 1e6:.2f} MB, ratio **{ratio:.3f}** "
+        f"(target ≤ 1.05: {'met' if ratio <= 1.05 else 'not met'})"
+    )
+
+
+def step_calls() -> str:
+    """Remote calls per worker, step and shard of sync PS."""
+    calls = read_json("step_time")["calls_per_step_per_shard"]
+    return f"**{calls:.2f}** (target ≤ 2: {'met' if calls <= 2 else 'not met'})"
