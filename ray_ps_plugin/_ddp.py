@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ray_ps_plugin import _runtime, _torch_compat
+from ray_ps_plugin import _runtime, _table_client, _torch_compat
 from ray_ps_plugin._modes import MODE_SPECS
 from ray_ps_plugin._transport import RayTransport
 from ray_ps_plugin._types import Compression
@@ -101,8 +101,7 @@ class PSDistributedDataParallel(DistributedDataParallel):
     _ps_owns_comm: bool = False
 
     def __init__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
-        check_supported(module, _runtime.current_run().settings.compression)
-        _check_not_attached(module)
+        _before_ddp(module)
         super().__init__(module, *args, **kwargs)
         attach(self)
 
@@ -158,12 +157,46 @@ def attach(ddp: PSDistributedDataParallel) -> None:
         direct = spec.direct_path(info.settings, info.topology) if spec.direct_path else None
         return RayTransport(info.servers, info.settings.ps_timeout_s, direct)
 
-    client = spec.build_client(setup, _runtime.shared_transport(open_transport))
+    transport = _runtime.shared_transport(open_transport)
+    client = spec.build_client(setup, transport)
     ddp._ps_client = client
     ddp._ps_uses_reducer = spec.uses_reducer
     _runtime.register(client)
     client.bind(ddp)  # sync: registers the servers' comm hook
     ddp._ps_owns_comm = True
+    if _table_client.meta_tables(ddp.module):
+        tables = _table_client.ShardedTables(
+            setup.model_id,
+            ddp.module,
+            transport,
+            info.settings,
+            setup.rank,
+            setup.world_size,
+            setup.num_shards,
+            seed=_table_seed(),
+        )
+        _runtime.register_tables(tables)
+
+
+def _before_ddp(module: torch.nn.Module) -> None:
+    """What runs before DDP's constructor communicates, on every rank alike: the
+    refusals, and keeping sharded tables (meta-device embedding layers) out of DDP."""
+    settings = _runtime.current_run().settings
+    check_supported(module, settings.compression)
+    _check_not_attached(module)
+    _table_client.check_tables(module, settings.mode)
+    names = _table_client.meta_table_names(module)
+    if names:
+        _torch_compat.ignore_in_ddp(module, names)
+
+
+def _table_seed() -> int:
+    """Rank 0's torch seed, the same on every worker: sharded tables are initialised
+    from it, as a seeded ``nn.Embedding`` would be reproducible."""
+    seed = [torch.initial_seed() % (1 << 63)]
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.broadcast_object_list(seed, src=0)
+    return int(seed[0])
 
 
 def _check_not_attached(module: torch.nn.Module) -> None:
@@ -214,9 +247,7 @@ def ps_ddp_constructors() -> Iterator[None]:
     def ddp_init(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> None:
         cls = type(self)
         if cls is DistributedDataParallel:
-            module = _module_argument(args, kwargs)
-            check_supported(module, _runtime.current_run().settings.compression)
-            _check_not_attached(module)
+            _before_ddp(_module_argument(args, kwargs))
             original(self, *args, **kwargs)
             if type(self) is DistributedDataParallel:  # not taken over by an outer context
                 self.__class__ = PSDistributedDataParallel
@@ -281,11 +312,17 @@ class PSTrainFuncContext:
     def __init__(self, base: Callable[[], Any]) -> None:
         self._base = base()
         self._swap = ps_ddp_constructors()
+        # prepare_model moves the model with .to(): a sharded table's weight stays
+        # on the meta device (its rows are materialised on the shards).
+        self._keep_tables = _torch_compat.skipping_in_apply(_table_client.skipped_in_apply)
 
     def __enter__(self) -> PSTrainFuncContext:
         self._base.__enter__()
         try:
-            self._swap.__enter__()
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(self._swap)
+                stack.enter_context(self._keep_tables)
+                self._patches = stack.pop_all()
         except BaseException as e:
             self._base.__exit__(type(e), e, e.__traceback__)
             raise
@@ -298,7 +335,7 @@ class PSTrainFuncContext:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._swap.__exit__(exc_type, exc, tb)
+        self._patches.__exit__(exc_type, exc, tb)
         try:
             _runtime.finish_clients(raising=exc_type is None)
             _check_servers_used(raising=exc_type is None)

@@ -11,10 +11,13 @@ whose parameters that optimizer holds: the user's optimizer is created after
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +29,7 @@ from torch.optim.optimizer import (
 from ray_ps_plugin._client import ClientBase, ClientSetup
 from ray_ps_plugin._metrics import WorkerMetrics
 from ray_ps_plugin._stats import PSStats
+from ray_ps_plugin._table_client import ShardedTables
 from ray_ps_plugin._transport import Transport
 from ray_ps_plugin._types import Mode, RunSettings
 
@@ -110,6 +114,46 @@ class PSContext:
         """
         for client in _CLIENTS:
             client.flush()
+        for tables in _TABLES:
+            tables.flush()
+
+    def table_stats(self) -> dict[str, int]:
+        """Sharded tables' traffic from this worker, over every prepared model:
+        ``bytes_pulled`` (ids sent and rows received by lookups), ``bytes_pushed``
+        (row ids and gradients sent) and ``pushes`` (calls)."""
+        total = {"bytes_pulled": 0, "bytes_pushed": 0, "pushes": 0}
+        for tables in _TABLES:
+            for key, value in tables.stats.items():
+                total[key] += value
+        return total
+
+    def save_tables(self, path: str | os.PathLike[str]) -> None:
+        """Writes every sharded embedding table (a layer built on the meta device)
+        under ``path``, one shard's rows at a time, with the optimizer's state:
+        no worker ever holds a whole table. Only rank 0 writes; call it on every
+        worker (each confirms its own last update first), into the directory of the
+        checkpoint rank 0 reports. In async/ssp, ``flush()`` and a barrier on every
+        worker first make the saved rows hold every worker's last update.
+
+        Raises:
+            PSTimeoutError: If a shard does not answer within ``ps_timeout_s``.
+        """
+        for tables in _TABLES:
+            tables.flush()
+            if tables.rank == 0:
+                tables.save(Path(path))
+
+    def load_tables(self, path: str | os.PathLike[str]) -> None:
+        """Restores what :meth:`save_tables` wrote, onto any number of shards; call it
+        on every worker after ``prepare_model`` (rank 0 sends the rows, every worker
+        waits until they are in place).
+
+        Raises:
+            ValueError: If a saved table does not fit the model's.
+            PSTimeoutError: If a shard does not answer within ``ps_timeout_s``.
+        """
+        for tables in _TABLES:
+            tables.load(Path(path))
 
     def outer_state_dict(self) -> list[dict[str, Any]]:
         """``mode="diloco"``: the outer optimizer's state of every prepared model
@@ -141,6 +185,7 @@ class PSContext:
 # --- per-process registry -----------------------------------------------------------
 _RUN: RunInfo | None = None
 _CLIENTS: list[ClientBase] = []
+_TABLES: list[ShardedTables] = []  # the prepared models' sharded tables, if any
 _TRANSPORT: Transport | None = None  # see shared_transport
 _OPTIMIZER_HOOKS: list[Any] = []
 
@@ -208,7 +253,9 @@ def client_setup(module: torch.nn.Module, info: RunInfo) -> ClientSetup:
     return ClientSetup(
         model_id=len(_CLIENTS),
         module=module,
-        params=tuple(p for p in module.parameters() if p.requires_grad),
+        # A sharded table's weight stays on the meta device: its rows are the
+        # shards' (see _table_client), not the client's.
+        params=tuple(p for p in module.parameters() if p.requires_grad and not p.is_meta),
         rank=rank,
         world_size=ctx.get_world_size(),
         num_shards=len(info.servers),
@@ -229,6 +276,12 @@ def module_attached(module: torch.nn.Module) -> bool:
 def register(client: ClientBase) -> None:
     """Adds a prepared model's client; its optimizer steps now reach it."""
     _CLIENTS.append(client)
+
+
+def register_tables(tables: ShardedTables) -> None:
+    """Adds a prepared model's sharded tables; the optimizer steps that hold their
+    weights now push their rows."""
+    _TABLES.append(tables)
 
 
 def _worker_metrics(mode: str, rank: int, model: int) -> WorkerMetrics | None:
@@ -267,15 +320,16 @@ def _before_optimizer_step(
     ``before_step`` runs once it returns, on this step's gradients and on the
     parameters its forward pass used, before the optimizer touches them.
     """
-    clients = [c for c in _CLIENTS if c.owns(optimizer)]
-    if not clients:
+    steps: list[Callable[[], None]] = [c.before_step for c in _CLIENTS if c.owns(optimizer)]
+    steps += [functools.partial(t.before_step, optimizer) for t in _TABLES if t.owns(optimizer)]
+    if not steps:
         return None
     closure = kwargs.get("closure") if "closure" in kwargs else (args[1] if len(args) > 1 else None)
     if closure is None:
-        for client in clients:
-            client.before_step()
+        for step in steps:
+            step()
         return None
-    wrapped = _StepClosure(closure, clients)
+    wrapped = _StepClosure(closure, steps)
     _PENDING_CLOSURES[optimizer] = wrapped
     if "closure" in kwargs:
         return args, {**kwargs, "closure": wrapped}
@@ -297,21 +351,21 @@ def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: A
 
 
 class _StepClosure:
-    """An optimizer closure that runs the clients' ``before_step`` after its first
-    call (LBFGS calls it again after changing the parameters: those calls are the
-    step's own business)."""
+    """An optimizer closure that runs the clients' ``before_step`` (``steps``) after
+    its first call (LBFGS calls it again after changing the parameters: those calls
+    are the step's own business)."""
 
-    def __init__(self, closure: Any, clients: list[ClientBase]) -> None:
+    def __init__(self, closure: Any, steps: list[Callable[[], None]]) -> None:
         self._closure = closure
-        self._clients = clients
+        self._steps = steps
         self.called = False
 
     def __call__(self) -> Any:
         out = self._closure()
         if not self.called:
             self.called = True
-            for client in self._clients:
-                client.before_step()
+            for step in self._steps:
+                step()
         return out
 
 
@@ -333,9 +387,12 @@ def finish_clients(raising: bool) -> None:
     flight, and the update would be lost silently. After a failure in the user's
     code the original error matters more, so a second one is only logged.
     """
-    for client in _CLIENTS:
+    finishing: list[Callable[[], None]] = [
+        functools.partial(c.finish, clean=raising) for c in _CLIENTS
+    ] + [t.finish for t in _TABLES]
+    for finish in finishing:
         try:
-            client.finish(clean=raising)
+            finish()
         except Exception:
             if raising:
                 raise
@@ -347,6 +404,8 @@ def close_clients() -> None:
     global _TRANSPORT
     while _CLIENTS:
         _CLIENTS.pop().close()
+    while _TABLES:
+        _TABLES.pop().close()
     transport, _TRANSPORT = _TRANSPORT, None
     if transport is not None:
         transport.close()

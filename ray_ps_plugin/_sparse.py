@@ -30,7 +30,8 @@ def sparse_params(module: torch.nn.Module) -> list[torch.Tensor]:
     for m in module.modules():
         if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse:
             for p in m.parameters(recurse=False):
-                if p.requires_grad:
+                # A table on the meta device lives on the shards (_table_client).
+                if p.requires_grad and not p.is_meta:
                     found[id(p)] = p
     return [p for p in module.parameters() if id(p) in found]
 

@@ -6,7 +6,9 @@ communication hooks, which the subclass overrides to refuse them on a model the
 shards synchronise, and the attribute holding registered hooks, which a pickled or
 deep-copied model must not carry. The sync client also queues a callback on
 autograd's engine (``Variable._execution_engine``, as DDP itself does) to raise a
-failed round's error from ``backward()``. (The optimizer step hooks in ``_runtime.py`` are
+failed round's error from ``backward()``. Sharded embedding tables, whose weight stays
+on the meta device, are kept out of DDP (its list of parameters to ignore) and out of
+``Module.to()`` (through ``Module._apply``). (The optimizer step hooks in ``_runtime.py`` are
 public ``torch.optim`` API.) ``tests/unit/test_torch_compat.py`` checks each name
 against the installed torch, so a release that renames one fails there, by name,
 instead of letting a hook through silently.
@@ -14,19 +16,27 @@ instead of letting a hook through silently.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import functools
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 __all__ = [
+    "APPLY_METHOD",
     "BUILTIN_COMM_HOOK_METHOD",
     "CHECKED_TORCH_VERSION",
     "COMM_HOOKS_ATTR",
+    "DDP_IGNORE_ATTR",
+    "DDP_IGNORE_METHOD",
     "drop_comm_hooks",
+    "ignore_in_ddp",
     "missing_names",
     "queue_autograd_callback",
+    "skipping_in_apply",
 ]
 
 CHECKED_TORCH_VERSION = "2.14.1"
@@ -38,6 +48,57 @@ BUILTIN_COMM_HOOK_METHOD = "_register_builtin_comm_hook"
 # Checked against torch 2.14.1: DistributedDataParallel._comm_hooks, the list of
 # (hook, state) pairs registered so far, kept in the pickled state.
 COMM_HOOKS_ATTR = "_comm_hooks"
+
+
+# Checked against torch 2.14.1: the static method that sets the parameters and
+# buffers DDP leaves alone (no broadcast, no bucket), by qualified name.
+DDP_IGNORE_METHOD = "_set_params_and_buffers_to_ignore_for_model"
+
+# Checked against torch 2.14.1: torch.nn.Module._apply(fn, recurse=True), through
+# which to(), cuda(), cpu(), half() and friends convert every parameter.
+APPLY_METHOD = "_apply"
+
+
+# Checked against torch 2.14.1: where that method keeps the names on the module.
+DDP_IGNORE_ATTR = "_ddp_params_and_buffers_to_ignore"
+
+
+def ignore_in_ddp(module: torch.nn.Module, names: Sequence[str]) -> None:
+    """Makes a DDP built around ``module`` also leave the named parameters alone."""
+    kept = list(getattr(module, DDP_IGNORE_ATTR, []))
+    getattr(DistributedDataParallel, DDP_IGNORE_METHOD)(
+        module, kept + [n for n in names if n not in kept]
+    )
+
+
+@contextlib.contextmanager
+def skipping_in_apply(skip: Callable[[torch.nn.Module], list[str]]) -> Iterator[None]:
+    """While inside, ``Module.to()`` (and every conversion through ``_apply``) leaves
+    alone the parameters that ``skip(module)`` names for each module of the tree.
+
+    Restores ``Module._apply`` on exit, also on error.
+    """
+    original = getattr(torch.nn.Module, APPLY_METHOD)
+    inside = threading.local()  # _apply recurses into children: the outermost call acts
+
+    @functools.wraps(original)
+    def apply(self: torch.nn.Module, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(inside, "active", False):
+            return original(self, fn, *args, **kwargs)
+        held = [(m, name, m._parameters.pop(name)) for m in self.modules() for name in skip(m)]
+        inside.active = True
+        try:
+            return original(self, fn, *args, **kwargs)
+        finally:
+            inside.active = False
+            for m, name, param in held:
+                m._parameters[name] = param
+
+    setattr(torch.nn.Module, APPLY_METHOD, apply)
+    try:
+        yield
+    finally:
+        setattr(torch.nn.Module, APPLY_METHOD, original)
 
 
 def drop_comm_hooks(state: dict[str, Any]) -> None:
@@ -79,4 +140,8 @@ def missing_names() -> list[str]:
         missing.append(f"DistributedDataParallel.{BUILTIN_COMM_HOOK_METHOD}")
     if _engine_queue() is None:
         missing.append("torch.autograd.Variable._execution_engine.queue_callback")
+    if not callable(getattr(DistributedDataParallel, DDP_IGNORE_METHOD, None)):
+        missing.append(f"DistributedDataParallel.{DDP_IGNORE_METHOD}")
+    if not callable(getattr(torch.nn.Module, APPLY_METHOD, None)):
+        missing.append(f"torch.nn.Module.{APPLY_METHOD}")
     return missing

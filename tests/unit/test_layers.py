@@ -31,6 +31,8 @@ LAYER_OF = {
     "_codec": PIECES,
     "_sparse": PIECES,
     "_rows": PIECES,
+    "_table_store": PIECES,
+    "_table_client": PIECES,
     "_nonfinite": PIECES,
     "_metrics": PIECES,
     "_types": LEAVES,

@@ -1,0 +1,368 @@
+"""Shard side of sharded embedding tables: rows no worker holds, and their optimizer.
+
+A table built on the meta device (``nn.Embedding(R, D, sparse=True,
+device="meta")``) exists only here: each shard holds a contiguous block of its rows
+(``_rows.row_bounds``) with the optimizer state of those rows, initialised as the
+layer initialises its weight (normal, mean 0, std 1; the padding row zero) from a
+seed that does not depend on the number of shards. Workers pull the rows their
+batch touches and push the gradients of those rows with the hyperparameters of the
+user's optimizer at that step; the shard applies SGD, Adagrad or SparseAdam (lazy
+Adam) to the touched rows only, with torch's formulas.
+
+Clocks: a worker's clock on a table is the number of updates it has pushed. In
+``"sync"`` a clock's update is the sum of every unfinished worker's push, applied
+once all are in; a pull at clock ``c`` waits until update ``c`` is applied, so a
+step's lookups see every earlier step. With a staleness bound ``s`` (``"ssp"``)
+each push is applied as it comes and a pull at clock ``c`` waits until every
+unfinished worker has pushed ``c - s``; ``"async"`` never waits. A push that
+repeats a clock already taken is ignored (delivery is idempotent).
+
+NumPy only: a sync shard process stays free of torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
+from ray_ps_plugin._rows import row_bounds
+
+__all__ = [
+    "INIT_BLOCK_ROWS",
+    "OPTIMIZERS",
+    "TableOptimizer",
+    "TableSpec",
+    "TableStore",
+    "init_rows",
+]
+
+TableOptimizer = Literal["sgd", "adagrad", "sparse_adam"]
+OPTIMIZERS: tuple[TableOptimizer, ...] = ("sgd", "adagrad", "sparse_adam")
+#: Rows drawn from one random stream at initialisation: the values of a row depend
+#: on the seed, the table and its block of this many rows, never on the shards.
+INIT_BLOCK_ROWS = 1 << 16
+#: The state arrays each optimizer keeps per row, as torch names them.
+STATE_NAMES: dict[TableOptimizer, tuple[str, ...]] = {
+    "sgd": (),
+    "adagrad": ("sum",),
+    "sparse_adam": ("exp_avg", "exp_avg_sq"),
+}
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """A sharded table as every shard and worker of a run sees it.
+
+    Attributes:
+        rows: Rows of the whole table.
+        dim: Values per row.
+        padding_idx: The row kept at zero and never updated, or ``None``.
+        seed: Seed of the initial values.
+        staleness: The mode's bound on clock gaps: 0 in sync (with summed
+            updates), ``s`` in ssp, ``None`` in async.
+        sync: Whether a clock's pushes are summed and applied together.
+    """
+
+    rows: int
+    dim: int
+    padding_idx: int | None
+    seed: int
+    staleness: int | None
+    sync: bool
+
+
+def init_rows(spec: TableSpec, table: int, lo: int, hi: int) -> np.ndarray:
+    """The initial values of rows ``[lo, hi)`` of table ``table``: standard normal,
+    as ``nn.Embedding.reset_parameters`` draws them, the padding row zero."""
+    out = np.empty((hi - lo, spec.dim), np.float32)
+    first = lo - lo % INIT_BLOCK_ROWS
+    for start in range(first, hi, INIT_BLOCK_ROWS):
+        stop = min(start + INIT_BLOCK_ROWS, spec.rows)
+        block = np.random.default_rng([spec.seed, table, start // INIT_BLOCK_ROWS])
+        values = block.standard_normal((stop - start, spec.dim), dtype=np.float32)
+        a, b = max(start, lo), min(stop, hi)
+        out[a - lo : b - lo] = values[a - start : b - start]
+    if spec.padding_idx is not None and lo <= spec.padding_idx < hi:
+        out[spec.padding_idx - lo] = 0.0
+    return out
+
+
+@dataclass
+class _Table:
+    """One table's block of rows on this shard."""
+
+    spec: TableSpec
+    lo: int
+    hi: int
+    num_workers: int
+    weight: np.ndarray
+    optimizer: TableOptimizer | None = None
+    state: dict[str, np.ndarray] = field(default_factory=dict)
+    steps: int = 0  # updates applied (torch's per-parameter ``step``)
+    clocks: list[int] = field(default_factory=list)
+    finished: set[int] = field(default_factory=set)
+    applied: int = 0  # sync: the last clock whose summed update is applied
+    # Sync: each clock's pushes so far, and the hyperparameters of that step.
+    pending: dict[int, list[tuple[int, np.ndarray, np.ndarray]]] = field(default_factory=dict)
+    pending_hyper: dict[int, dict[str, float]] = field(default_factory=dict)
+    generation: int = 0  # restores so far (load_tables)
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+    def slowest(self) -> int:
+        active = [c for r, c in enumerate(self.clocks) if r not in self.finished]
+        return min(active) if active else max(self.clocks, default=0)
+
+
+class TableStore:
+    """The sharded tables' rows held by one shard, for every prepared model.
+
+    Args:
+        shard_index: This shard's index.
+        num_workers: Workers pushing to it.
+        timeout_s: Bound on every wait.
+    """
+
+    def __init__(self, shard_index: int, num_workers: int, timeout_s: float) -> None:
+        self.shard_index = shard_index
+        self.num_workers = num_workers
+        self.timeout_s = timeout_s
+        self._tables: dict[tuple[int, int], _Table] = {}
+
+    # --- set-up --------------------------------------------------------------------
+    def create(self, model: int, table: int, spec: TableSpec, num_shards: int) -> tuple[int, int]:
+        """Materialises this shard's rows of a table, split over ``num_shards``
+        (idempotent: every worker asks); returns the row range held."""
+        key = (model, table)
+        if key in self._tables:
+            if self._tables[key].spec != spec:
+                raise ShardProtocolError(
+                    f"shard {self.shard_index}: table {table} of model {model} is "
+                    f"described differently by two workers ({self._tables[key].spec} and "
+                    f"{spec}); every worker must build the same model."
+                )
+            return self._tables[key].lo, self._tables[key].hi
+        bounds = row_bounds(spec.rows, num_shards)
+        lo, hi = bounds[self.shard_index], bounds[self.shard_index + 1]
+        t = _Table(spec, lo, hi, self.num_workers, init_rows(spec, table, lo, hi))
+        t.clocks = [0] * self.num_workers
+        self._tables[key] = t
+        return lo, hi
+
+    def _table(self, model: int, table: int) -> _Table:
+        try:
+            return self._tables[model, table]
+        except KeyError:
+            raise ShardProtocolError(
+                f"shard {self.shard_index}: no table {table} of model {model}; the "
+                "worker's model differs from the one the table was created for."
+            ) from None
+
+    def _local(self, t: _Table, ids: np.ndarray) -> np.ndarray:
+        if ids.size and (int(ids.min()) < t.lo or int(ids.max()) >= t.hi):
+            raise ShardProtocolError(
+                f"shard {self.shard_index}: rows outside [{t.lo}, {t.hi}) were sent to it."
+            )
+        return ids.astype(np.int64) - t.lo
+
+    # --- the step --------------------------------------------------------------------
+    async def pull(
+        self, model: int, table: int, rank: int, clock: int, ids: np.ndarray
+    ) -> np.ndarray:
+        """The rows ``ids`` (sorted, unique) once they are fresh enough for a worker
+        that has pushed ``clock`` updates (see the module docstring)."""
+        t = self._table(model, table)
+        local = self._local(t, ids)
+        spec = t.spec
+        if spec.sync:
+            await self._wait(t, lambda: t.applied >= clock, f"update {clock} of table {table}")
+        elif spec.staleness is not None:
+            need = clock - spec.staleness
+            await self._wait(t, lambda: t.slowest() >= need, f"every worker at clock {need}")
+        return t.weight[local]
+
+    async def push(
+        self,
+        model: int,
+        table: int,
+        rank: int,
+        clock: int,
+        ids: np.ndarray,
+        grads: np.ndarray,
+        optimizer: TableOptimizer,
+        hyper: dict[str, float],
+    ) -> int:
+        """One worker's gradients of its touched rows (already divided by the world
+        size) for its update ``clock``; returns the number of updates applied.
+
+        Raises:
+            ShardProtocolError: A clock out of order, rows of another shard, or an
+                optimizer other than the one the table was trained with.
+        """
+        t = self._table(model, table)
+        local = self._local(t, ids)
+        if clock <= t.clocks[rank]:
+            return t.steps  # a repeated delivery: already taken
+        if clock != t.clocks[rank] + 1:
+            raise ShardProtocolError(
+                f"shard {self.shard_index}: rank {rank} pushed update {clock} of table "
+                f"{table} after {t.clocks[rank]}."
+            )
+        if t.optimizer is None:
+            t.optimizer = optimizer
+            t.state = {n: np.zeros_like(t.weight) for n in STATE_NAMES[optimizer]}
+            if optimizer == "adagrad":
+                t.state["sum"].fill(hyper.get("initial_accumulator_value", 0.0))
+        elif t.optimizer != optimizer:
+            raise ShardProtocolError(
+                f"shard {self.shard_index}: table {table} is trained with {t.optimizer} "
+                f"and now got a {optimizer} step; one optimizer per table."
+            )
+        grads = grads.reshape(len(ids), t.spec.dim).astype(np.float32, copy=False)
+        t.clocks[rank] = clock
+        if t.spec.sync:
+            t.pending.setdefault(clock, []).append((rank, local, grads))
+            t.pending_hyper[clock] = hyper
+            self._apply_ready(t)
+        else:
+            self._apply(t, local, grads, hyper)
+        async with t.changed:
+            t.changed.notify_all()
+        if t.spec.sync:
+            await self._wait(t, lambda: t.applied >= clock, f"update {clock} of table {table}")
+        return t.steps
+
+    def _apply_ready(self, t: _Table) -> None:
+        """Sync: applies the next clock once every unfinished worker pushed it."""
+        while True:
+            clock = t.applied + 1
+            got = t.pending.get(clock, [])
+            waiting = set(range(t.num_workers)) - t.finished - {r for r, _, _ in got}
+            if waiting or not got:
+                return
+            del t.pending[clock]
+            hyper = t.pending_hyper.pop(clock)
+            ids = np.concatenate([i for _, i, _ in got])
+            grads = np.concatenate([g for _, _, g in got])
+            rows, inverse = np.unique(ids, return_inverse=True)
+            summed = np.zeros((len(rows), t.spec.dim), np.float32)
+            np.add.at(summed, inverse, grads)
+            self._apply(t, rows, summed, hyper)
+            t.applied = clock
+
+    def _apply(
+        self, t: _Table, rows: np.ndarray, grads: np.ndarray, hyper: dict[str, float]
+    ) -> None:
+        """One optimizer step on the touched ``rows`` (local indices, unique for the
+        summed sync update; a worker's own rows are unique too)."""
+        t.steps += 1
+        if t.spec.padding_idx is not None and t.lo <= t.spec.padding_idx < t.hi:
+            # As torch's sparse gradients: the padding row is never touched.
+            keep = rows != t.spec.padding_idx - t.lo
+            rows, grads = rows[keep], grads[keep]
+        lr = hyper["lr"]
+        if hyper.get("maximize"):
+            grads = -grads
+        if t.optimizer == "sgd":
+            t.weight[rows] -= lr * grads
+        elif t.optimizer == "adagrad":
+            clr = lr / (1 + (t.steps - 1) * hyper.get("lr_decay", 0.0))
+            acc = t.state["sum"]
+            acc[rows] += grads * grads
+            t.weight[rows] -= clr * grads / (np.sqrt(acc[rows]) + hyper["eps"])
+        else:  # sparse_adam, as torch's SparseAdam
+            beta1, beta2, eps = hyper["beta1"], hyper["beta2"], hyper["eps"]
+            m, v = t.state["exp_avg"], t.state["exp_avg_sq"]
+            m_rows = m[rows] + (grads - m[rows]) * (1 - beta1)
+            v_rows = v[rows] + (grads * grads - v[rows]) * (1 - beta2)
+            m[rows], v[rows] = m_rows, v_rows
+            step_size = lr * math.sqrt(1 - beta2**t.steps) / (1 - beta1**t.steps)
+            t.weight[rows] -= step_size * m_rows / (np.sqrt(v_rows) + eps)
+
+    async def finish(self, model: int, rank: int) -> None:
+        """A worker is done: no table waits for it any more."""
+        for (m, _), t in self._tables.items():
+            if m == model:
+                t.finished.add(rank)
+                self._apply_ready(t)  # a clock may have waited only for this worker
+                async with t.changed:
+                    t.changed.notify_all()
+
+    async def _wait(self, t: _Table, ready: Any, what: str) -> None:
+        async def until() -> None:
+            async with t.changed:
+                await t.changed.wait_for(ready)
+
+        try:
+            await asyncio.wait_for(until(), self.timeout_s)
+        except asyncio.TimeoutError:
+            behind = [
+                r for r, c in enumerate(t.clocks) if r not in t.finished and c < max(t.clocks)
+            ]
+            raise ShardTimeoutError(
+                f"shard {self.shard_index}: waited {self.timeout_s:g}s for {what}; "
+                f"worker(s) {behind or 'none'} are behind."
+            ) from None
+
+    # --- checkpoints -------------------------------------------------------------------
+    def read(self, model: int, table: int, lo: int, hi: int) -> dict[str, Any]:
+        """Rows ``[lo, hi)`` of this shard's block with their optimizer state."""
+        t = self._table(model, table)
+        a, b = max(lo, t.lo) - t.lo, min(hi, t.hi) - t.lo
+        return {
+            "lo": t.lo + a,
+            "weight": t.weight[a:b].copy(),
+            "state": {n: s[a:b].copy() for n, s in t.state.items()},
+            "optimizer": t.optimizer,
+            "steps": t.steps,
+            "range": (t.lo, t.hi),
+        }
+
+    def write(
+        self,
+        model: int,
+        table: int,
+        lo: int,
+        weight: np.ndarray,
+        state: dict[str, np.ndarray],
+        optimizer: TableOptimizer | None,
+        steps: int,
+    ) -> None:
+        """Overwrites the rows from ``lo`` that fall in this shard's block (a restore;
+        rows elsewhere in ``weight`` are ignored)."""
+        t = self._table(model, table)
+        a, b = max(lo, t.lo), min(lo + len(weight), t.hi)
+        if a >= b:
+            return
+        if optimizer is not None and t.optimizer is None:
+            t.optimizer = optimizer
+            t.state = {n: np.zeros_like(t.weight) for n in STATE_NAMES[optimizer]}
+        t.weight[a - t.lo : b - t.lo] = weight[a - lo : b - lo]
+        for name, values in state.items():
+            if name in t.state:
+                t.state[name][a - t.lo : b - t.lo] = values[a - lo : b - lo]
+        t.steps = steps
+
+    async def loaded(self, model: int, generation: int) -> None:
+        """Marks a restore of every table of ``model`` as complete (rank 0)."""
+        for (m, _), t in self._tables.items():
+            if m == model:
+                t.generation = generation
+                async with t.changed:
+                    t.changed.notify_all()
+
+    async def wait_loaded(self, model: int, generation: int) -> None:
+        """Waits until rank 0 completed restore ``generation`` of ``model``."""
+        for (m, _), t in self._tables.items():
+            if m == model:
+                await self._wait(t, lambda t=t: t.generation >= generation, f"restore {generation}")
+
+    def sizes(self) -> dict[str, int]:
+        """Bytes held: rows and optimizer state, over every table."""
+        weight = sum(t.weight.nbytes for t in self._tables.values())
+        state = sum(s.nbytes for t in self._tables.values() for s in t.state.values())
+        return {"table_bytes": weight, "table_state_bytes": state}
