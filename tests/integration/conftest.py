@@ -17,13 +17,14 @@ import ray
 from ray import cloudpickle
 from ray.cluster_utils import Cluster
 
-from tests.integration import compat_loops, digits, faults, loops
+from tests.integration import compat_loops, digits, faults, loops, tables
 
 # Workers cannot import the tests package; ship the loops by value.
 cloudpickle.register_pickle_by_value(loops)
 cloudpickle.register_pickle_by_value(digits)
 cloudpickle.register_pickle_by_value(faults)
 cloudpickle.register_pickle_by_value(compat_loops)
+cloudpickle.register_pickle_by_value(tables)
 
 
 @pytest.fixture(scope="session")
