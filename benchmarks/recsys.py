@@ -18,6 +18,12 @@ touched (``n``) and the union over workers (``U``). Per worker and step, with
 - DDP with Gloo moves about ``sum_t ((W - 1) * n_t + sum_{w' != w} n_{t,w'}) * r``: its
   sparse all-reduce is an all-gather of every rank's coalesced rows.
 
+With the tables built on the meta device (variants ``ps_*_sharded``) no worker holds
+them: the shards do, and each worker pulls its ``n_t`` unique rows and pushes their
+gradients, about ``2 sum_t n_t * r`` per step. Every worker's and shard's peak
+resident memory is recorded, so a table larger than DDP could hold (two replicas
+and SparseAdam's two state tensors each) shows what it costs where.
+
 Both add the dense MLPs' gradients (``B`` bytes): ``2 B`` for the PS (pushed, then
 the sum pulled), ``4 (W - 1) / W * B`` sent and received by DDP's ring all-reduce.
 
@@ -26,6 +32,8 @@ taken within the same round. ``--address`` runs it on a real cluster; in the bed
 (``tools/netbed.py``) each worker also reads its node link's byte counters.
 
     python benchmarks/recsys.py --workers 4 --out benchmarks/results/recsys_1x4.json
+    python benchmarks/recsys.py --workers-per-node 2 --tables 1 --rows 16777216 \\
+        --variants ps_sync_sharded --out benchmarks/results/recsys_sharded_4gib.json
     python tools/netbed.py --nodes 2 --cpus-per-node 2 --rate 1gbit -- \\
         python benchmarks/recsys.py --nodes 2 --workers-per-node 2 \\
         --out benchmarks/results/recsys_2x2_1gbit.json
@@ -37,6 +45,7 @@ import argparse
 import importlib
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -63,7 +72,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "ps_sync": {"strategy": "ps", "mode": "sync"},
     "ps_sync_bf16": {"strategy": "ps", "mode": "sync", "compression": "bf16"},
     "ps_sync_node": {"strategy": "ps", "mode": "sync", "server_placement": "node"},
+    # The tables built on the meta device: sharded over the shards, held by no worker.
+    "ps_sync_sharded": {"strategy": "ps", "mode": "sync"},
+    "ps_async_sharded": {"strategy": "ps", "mode": "async"},
 }
+SHARDED = {"ps_sync_sharded", "ps_async_sharded"}
 DEFAULT_VARIANTS = "ddp,ps_sync"
 DENSE_FEATURES = 13
 
@@ -71,10 +84,12 @@ DENSE_FEATURES = 13
 class DLRM(nn.Module):
     """Sparse tables, a bottom MLP for the dense features, a top MLP over both."""
 
-    def __init__(self, tables: int, rows: int, dim: int) -> None:
+    def __init__(self, tables: int, rows: int, dim: int, meta: bool = False) -> None:
         super().__init__()
+        device = "meta" if meta else None
         self.tables = nn.ModuleList(
-            nn.EmbeddingBag(rows, dim, mode="sum", sparse=True) for _ in range(tables)
+            nn.EmbeddingBag(rows, dim, mode="sum", sparse=True, device=device)
+            for _ in range(tables)
         )
         self.bottom = nn.Sequential(nn.Linear(DENSE_FEATURES, 64), nn.ReLU(), nn.Linear(64, dim))
         self.top = nn.Sequential(nn.Linear(dim * (tables + 1), 128), nn.ReLU(), nn.Linear(128, 1))
@@ -117,7 +132,7 @@ def bench_loop(config: dict[str, Any]) -> None:
     torch.manual_seed(0)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    net = DLRM(config["tables"], config["rows"], config["dim"])
+    net = DLRM(config["tables"], config["rows"], config["dim"], meta=config["sharded"])
     model = ray.train.torch.prepare_model(net)
     opts = [
         torch.optim.SparseAdam(list(net.tables.parameters()), lr=1e-2),
@@ -135,6 +150,7 @@ def bench_loop(config: dict[str, Any]) -> None:
             start = {
                 "link": _common.link_bytes(config["ifname"]),
                 "ps": ps.stats if ps is not None else None,
+                "tables": ps.table_stats() if ps is not None else None,
             }
         t0 = time.perf_counter()
         for o in opts:
@@ -161,6 +177,10 @@ def bench_loop(config: dict[str, Any]) -> None:
         "cost_ps_bytes_per_step": (n + u) * row + 2 * dense_bytes,
         "cost_ddp_bytes_per_step": ((world - 1) * n + others) * row
         + 4 * (world - 1) / world * dense_bytes,
+        # Sharded tables: the worker's unique ids out and their rows back, then the
+        # ids with their gradients out.
+        "cost_sharded_bytes_per_step": 2 * n * row + 2 * dense_bytes,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "unique_rows_per_step": n,
         "union_rows_per_step": u,
         "link_bytes_per_step": (link - start["link"]) / steps
@@ -169,11 +189,16 @@ def bench_loop(config: dict[str, Any]) -> None:
     }
     if ps is not None and start.get("ps") is not None:
         end = ps.stats
+        end_tables = ps.table_stats()
+        table_bytes = sum(
+            end_tables[k] - start["tables"][k] for k in ("bytes_pulled", "bytes_pushed")
+        )
         mine["ps_bytes_per_step"] = (
             end.bytes_pushed
             + end.bytes_pulled
             - start["ps"].bytes_pushed
             - start["ps"].bytes_pulled
+            + table_bytes
         ) / steps
     import torch.distributed as dist
 
@@ -182,11 +207,29 @@ def bench_loop(config: dict[str, Any]) -> None:
     metrics = {
         "mean_step_s": mine["mean_step_s"],
         "workers": workers,
-        "table_bytes": sum(p.numel() * 4 for p in net.tables.parameters()),
+        "table_bytes": config["tables"] * config["rows"] * config["dim"] * 4,
+        "shard_peak_rss_bytes": _shard_peak_rss() if rank == 0 else None,
     }
     with tempfile.TemporaryDirectory() as d:
         Path(d, "m.json").write_text(json.dumps(metrics))
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
+
+
+def _shard_peak_rss() -> list[int]:
+    """Peak resident memory of every shard process on this machine (``VmHWM``),
+    found by the process title Ray gives actors (``ray::SumShard...``)."""
+    peaks = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+            if not cmdline.startswith(b"ray::") or b"Shard" not in cmdline.split(b"\0")[0]:
+                continue
+            for line in (proc / "status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    peaks.append(int(line.split()[1]) * 1024)
+        except OSError:
+            continue
+    return sorted(peaks)
 
 
 def run_variant(name: str, args: argparse.Namespace, storage: str) -> dict[str, Any]:
@@ -206,6 +249,7 @@ def run_variant(name: str, args: argparse.Namespace, storage: str) -> dict[str, 
             "steps": args.steps,
             "warmup": args.warmup,
             "ifname": args.ifname,
+            "sharded": name in SHARDED,
         },
         scaling_config=ScalingConfig(
             num_workers=n,
@@ -242,14 +286,20 @@ def summarize(rounds: list[dict[str, Any]], variants: list[str]) -> dict[str, An
             "ps_bytes_per_step",
             "cost_ps_bytes_per_step",
             "cost_ddp_bytes_per_step",
+            "cost_sharded_bytes_per_step",
+            "peak_rss_bytes",
             "unique_rows_per_step",
             "union_rows_per_step",
         ):
             entry[key] = mean_of(name, key)
         if entry["ps_bytes_per_step"] is not None:
-            entry["ps_bytes_to_cost_model"] = (
-                entry["ps_bytes_per_step"] / entry["cost_ps_bytes_per_step"]
-            )
+            cost = "cost_sharded_bytes_per_step" if name in SHARDED else "cost_ps_bytes_per_step"
+            entry["ps_bytes_to_cost_model"] = entry["ps_bytes_per_step"] / entry[cost]
+        entry["max_worker_peak_rss_bytes"] = max(
+            w["peak_rss_bytes"] for r in rounds for w in r[name]["workers"]
+        )
+        shard_peaks = [r[name].get("shard_peak_rss_bytes") for r in rounds]
+        entry["max_shard_peak_rss_bytes"] = max((max(p) for p in shard_peaks if p), default=None)
         out[name] = entry
     return out
 

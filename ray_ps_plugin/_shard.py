@@ -13,7 +13,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -21,7 +21,7 @@ import numpy as np
 from ray_ps_plugin._dtypes import MODEL_DTYPES
 from ray_ps_plugin._errors import ShardProtocolError
 from ray_ps_plugin._metrics import ShardMetrics
-from ray_ps_plugin._table_store import TableOptimizer, TableSpec, TableStore
+from ray_ps_plugin._table_store import PushEntry, TableOptimizer, TableSpec, TableStore
 
 __all__ = ["MAX_MODELS", "ShardBase"]
 
@@ -129,22 +129,14 @@ class ShardBase:
         self._bytes_out += rows.nbytes
         return rows
 
-    async def table_push(
-        self,
-        model: int,
-        table: int,
-        rank: int,
-        clock: int,
-        ids: np.ndarray,
-        grads: np.ndarray,
-        optimizer: TableOptimizer,
-        hyper: dict[str, float],
-    ) -> int:
+    async def table_push(self, model: int, rank: int, entries: Sequence[PushEntry]) -> list[int]:
+        """One worker's optimizer step on every sharded table of a model it holds
+        rows of here (see ``TableStore.push_many``)."""
         self._check(model, rank)
-        self._bytes_in += ids.nbytes + grads.nbytes
+        self._bytes_in += sum(e[2].nbytes + e[3].nbytes for e in entries)
         self._pushes += 1
         with self._queued():
-            return await self._tables.push(model, table, rank, clock, ids, grads, optimizer, hyper)
+            return await self._tables.push_many(model, rank, entries)
 
     async def table_finish(self, model: int, rank: int) -> None:
         self._check(model, rank)

@@ -20,6 +20,7 @@ other optimizer is refused at its first step, before anything is applied.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 from collections.abc import Iterator, Sequence
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 
 from ray_ps_plugin._errors import PSError
 from ray_ps_plugin._rows import row_bounds
-from ray_ps_plugin._table_store import TableOptimizer, TableSpec
+from ray_ps_plugin._table_store import PushEntry, TableOptimizer, TableSpec
 from ray_ps_plugin._transport import Transport, wait_all
 from ray_ps_plugin._types import Mode, RunSettings, staleness_bound
 
@@ -228,7 +229,6 @@ class _Table:
         self._owner = tables
         self.clock = 0  # updates this worker has pushed
         self.held: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows, their grads)
-        self.inflight: list[Any] = []
 
     def _split(self, ids: np.ndarray) -> Iterator[tuple[int, slice]]:
         """``(shard, slice of ids)`` for each shard owning some of the sorted ``ids``."""
@@ -293,34 +293,21 @@ class _Table:
     def _hold(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
         self.held.append((ids, grad.detach()))
 
-    def push(self, optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> None:
-        """Sends this step's row gradients (summed per row, divided by the world
-        size as DDP's average does) to every shard, with the step's hyperparameters.
-        Every shard gets a push, empty or not: in sync each waits for every worker."""
-        owner = self._owner
+    def step(self, optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> list[PushEntry]:
+        """This step's update for each shard: the row gradients kept since the last
+        step (summed per row, divided by the world size as DDP's average does) with
+        the step's hyperparameters. Every shard gets one, empty or not: in sync each
+        waits for every worker."""
         kind, hyper = optimizer_step_spec(optimizer, group, self.name)
-        self.flush()  # one update in flight: a shard applies a worker's in clock order
         ids, summed = self._summed()
-        grads = (summed / owner.world_size).numpy()
+        grads = (summed / self._owner.world_size).numpy()
         ids_np = ids.numpy()
         cuts = np.searchsorted(ids_np, self.bounds)
         self.clock += 1
-        self.inflight = [
-            owner.transport.call(
-                s,
-                "table_push",
-                self.ref.model,
-                self.ref.index,
-                owner.rank,
-                self.clock,
-                ids_np[cuts[s] : cuts[s + 1]],
-                grads[cuts[s] : cuts[s + 1]],
-                kind,
-                hyper,
-            )
-            for s in range(len(self.bounds) - 1)
+        return [
+            (self.ref.index, self.clock, ids_np[a:b], grads[a:b], kind, hyper)
+            for a, b in itertools.pairwise(cuts)
         ]
-        owner.count(pushed=ids_np.nbytes + grads.nbytes, pushes=len(self.inflight))
 
     def _summed(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every kept gradient since the last step, summed per row (rows sorted)."""
@@ -332,12 +319,6 @@ class _Table:
         rows, inverse = torch.unique(ids, sorted=True, return_inverse=True)
         summed = torch.zeros(len(rows), self.spec.dim).index_add_(0, inverse, grads)
         return rows, summed
-
-    def flush(self) -> None:
-        """Waits until this worker's last update of the table is applied."""
-        inflight, self.inflight = self.inflight, []
-        if inflight:
-            self._owner.wait(inflight, list(range(len(inflight))), f"updating {self.name!r}")
 
 
 class ShardedTables:
@@ -374,6 +355,7 @@ class ShardedTables:
         self.stats = {"bytes_pulled": 0, "bytes_pushed": 0, "pushes": 0}
         self._error: BaseException | None = None
         self._generation = 0
+        self._inflight: list[Any] = []  # the last step's push, one call per shard
         self.tables: list[_Table] = []
         staleness = 0 if settings.mode == "sync" else staleness_bound(settings)
         # A layer already sharded (the same module wrapped again, as a second
@@ -410,13 +392,24 @@ class ShardedTables:
         return any(id(p) in self._weights for g in optimizer.param_groups for p in g["params"])
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Pushes the tables that ``optimizer`` steps (before it changes anything)."""
+        """Pushes the tables that ``optimizer`` steps (before it changes anything):
+        one call per shard for all of them."""
         self.raise_pending()
+        per_shard: list[list[PushEntry]] = [[] for _ in range(self.num_shards)]
         for group in optimizer.param_groups:
             for p in group["params"]:
                 table = self._weights.get(id(p))
                 if table is not None:
-                    table.push(optimizer, group)
+                    for s, entry in enumerate(table.step(optimizer, group)):
+                        per_shard[s].append(entry)
+        # One step in flight: a shard applies a worker's updates in clock order.
+        self.flush()
+        self._inflight = [
+            self.transport.call(s, "table_push", self.model_id, self.rank, entries)
+            for s, entries in enumerate(per_shard)
+        ]
+        pushed = sum(e[2].nbytes + e[3].nbytes for entries in per_shard for e in entries)
+        self.count(pushed=pushed, pushes=len(self._inflight))
 
     def wait(self, handles: Sequence[Any], shards: Sequence[int], what: str) -> list[Any]:
         try:
@@ -441,8 +434,10 @@ class ShardedTables:
         self.stats["pushes"] += pushes
 
     def flush(self) -> None:
-        for t in self.tables:
-            t.flush()
+        """Waits until this worker's last update of every table is applied."""
+        inflight, self._inflight = self._inflight, []
+        if inflight:
+            self.wait(inflight, list(range(len(inflight))), "updating the sharded tables")
 
     def finish(self) -> None:
         """Confirms the last updates; the shards stop waiting for this worker."""

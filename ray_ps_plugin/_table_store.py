@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -35,6 +36,7 @@ from ray_ps_plugin._rows import row_bounds
 __all__ = [
     "INIT_BLOCK_ROWS",
     "OPTIMIZERS",
+    "PushEntry",
     "TableOptimizer",
     "TableSpec",
     "TableStore",
@@ -46,6 +48,8 @@ OPTIMIZERS: tuple[TableOptimizer, ...] = ("sgd", "adagrad", "sparse_adam")
 #: Rows drawn from one random stream at initialisation: the values of a row depend
 #: on the seed, the table and its block of this many rows, never on the shards.
 INIT_BLOCK_ROWS = 1 << 16
+#: One table's update in a push: ``(table, clock, ids, grads, optimizer, hyper)``.
+PushEntry = tuple[int, int, np.ndarray, np.ndarray, TableOptimizer, dict[str, float]]
 #: The state arrays each optimizer keeps per row, as torch names them.
 STATE_NAMES: dict[TableOptimizer, tuple[str, ...]] = {
     "sgd": (),
@@ -197,16 +201,46 @@ class TableStore:
         hyper: dict[str, float],
     ) -> int:
         """One worker's gradients of its touched rows (already divided by the world
-        size) for its update ``clock``; returns the number of updates applied.
+        size) for its update ``clock``; returns once it is applied (in sync: once
+        every worker's push of that clock is), with the number of updates applied.
 
         Raises:
             ShardProtocolError: A clock out of order, rows of another shard, or an
                 optimizer other than the one the table was trained with.
         """
+        (steps,) = await self.push_many(model, rank, [(table, clock, ids, grads, optimizer, hyper)])
+        return steps
+
+    async def push_many(self, model: int, rank: int, entries: Sequence[PushEntry]) -> list[int]:
+        """:meth:`push` for several tables of one model at once (one optimizer step
+        of a worker): every update is taken before any is waited for."""
+        tables = [self._take(model, rank, *entry) for entry in entries]
+        for t in {id(t): t for t in tables}.values():
+            async with t.changed:
+                t.changed.notify_all()
+        for t, (table, clock, *_) in zip(tables, entries):
+            if t.spec.sync:
+                await self._wait(
+                    t, lambda t=t, c=clock: t.applied >= c, f"update {clock} of table {table}"
+                )
+        return [t.steps for t in tables]
+
+    def _take(
+        self,
+        model: int,
+        rank: int,
+        table: int,
+        clock: int,
+        ids: np.ndarray,
+        grads: np.ndarray,
+        optimizer: TableOptimizer,
+        hyper: dict[str, float],
+    ) -> _Table:
+        """Records (sync) or applies (ssp, async) one push; a repeat is ignored."""
         t = self._table(model, table)
         local = self._local(t, ids)
         if clock <= t.clocks[rank]:
-            return t.steps  # a repeated delivery: already taken
+            return t  # a repeated delivery: already taken
         if clock != t.clocks[rank] + 1:
             raise ShardProtocolError(
                 f"shard {self.shard_index}: rank {rank} pushed update {clock} of table "
@@ -230,11 +264,7 @@ class TableStore:
             self._apply_ready(t)
         else:
             self._apply(t, local, grads, hyper)
-        async with t.changed:
-            t.changed.notify_all()
-        if t.spec.sync:
-            await self._wait(t, lambda: t.applied >= clock, f"update {clock} of table {table}")
-        return t.steps
+        return t
 
     def _apply_ready(self, t: _Table) -> None:
         """Sync: applies the next clock once every unfinished worker pushed it."""
