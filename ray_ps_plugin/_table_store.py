@@ -122,6 +122,13 @@ class _Table:
         return min(active) if active else max(self.clocks, default=0)
 
 
+def _new_state(t: _Table, optimizer: TableOptimizer) -> dict[str, np.ndarray]:
+    """Zeroed state arrays of a table's rows. ``np.zeros`` takes pages the kernel
+    zeroes on first touch, so only rows a batch has touched cost memory (SparseAdam's
+    two arrays would otherwise double a shard's footprint from its first step)."""
+    return {n: np.zeros(t.weight.shape, t.weight.dtype) for n in STATE_NAMES[optimizer]}
+
+
 class TableStore:
     """The sharded tables' rows held by one shard, for every prepared model.
 
@@ -248,9 +255,10 @@ class TableStore:
             )
         if t.optimizer is None:
             t.optimizer = optimizer
-            t.state = {n: np.zeros_like(t.weight) for n in STATE_NAMES[optimizer]}
-            if optimizer == "adagrad":
-                t.state["sum"].fill(hyper.get("initial_accumulator_value", 0.0))
+            t.state = _new_state(t, optimizer)
+            initial = hyper.get("initial_accumulator_value", 0.0)
+            if optimizer == "adagrad" and initial:
+                t.state["sum"].fill(initial)
         elif t.optimizer != optimizer:
             raise ShardProtocolError(
                 f"shard {self.shard_index}: table {table} is trained with {t.optimizer} "
@@ -370,7 +378,7 @@ class TableStore:
             return
         if optimizer is not None and t.optimizer is None:
             t.optimizer = optimizer
-            t.state = {n: np.zeros_like(t.weight) for n in STATE_NAMES[optimizer]}
+            t.state = _new_state(t, optimizer)
         t.weight[a - t.lo : b - t.lo] = weight[a - lo : b - lo]
         for name, values in state.items():
             if name in t.state:
