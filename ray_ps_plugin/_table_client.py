@@ -299,13 +299,14 @@ class _Table:
         the step's hyperparameters. Every shard gets one, empty or not: in sync each
         waits for every worker."""
         kind, hyper = optimizer_step_spec(optimizer, group, self.name)
+        touched = bool(self.held)
         ids, summed = self._summed()
         grads = (summed / self._owner.world_size).numpy()
         ids_np = ids.numpy()
         cuts = np.searchsorted(ids_np, self.bounds)
         self.clock += 1
         return [
-            (self.ref.index, self.clock, ids_np[a:b], grads[a:b], kind, hyper)
+            (self.ref.index, self.clock, ids_np[a:b], grads[a:b], kind, hyper, touched)
             for a, b in itertools.pairwise(cuts)
         ]
 
@@ -395,13 +396,18 @@ class ShardedTables:
         """Pushes the tables that ``optimizer`` steps (before it changes anything):
         one call per shard for all of them."""
         self.raise_pending()
+        stepped = [
+            (self._weights[id(p)], group)
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if id(p) in self._weights
+        ]
+        for table, group in stepped:  # every refusal before any table changes
+            optimizer_step_spec(optimizer, group, table.name)
         per_shard: list[list[PushEntry]] = [[] for _ in range(self.num_shards)]
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                table = self._weights.get(id(p))
-                if table is not None:
-                    for s, entry in enumerate(table.step(optimizer, group)):
-                        per_shard[s].append(entry)
+        for table, group in stepped:
+            for s, entry in enumerate(table.step(optimizer, group)):
+                per_shard[s].append(entry)
         # One step in flight: a shard applies a worker's updates in clock order.
         self.flush()
         self._inflight = [

@@ -48,8 +48,10 @@ OPTIMIZERS: tuple[TableOptimizer, ...] = ("sgd", "adagrad", "sparse_adam")
 #: Rows drawn from one random stream at initialisation: the values of a row depend
 #: on the seed, the table and its block of this many rows, never on the shards.
 INIT_BLOCK_ROWS = 1 << 16
-#: One table's update in a push: ``(table, clock, ids, grads, optimizer, hyper)``.
-PushEntry = tuple[int, int, np.ndarray, np.ndarray, TableOptimizer, dict[str, float]]
+#: One table's update in a push: ``(table, clock, ids, grads, optimizer, hyper,
+#: touched)``; ``touched``: whether the worker's backward reached the table at all
+#: (its rows may all be another shard's), as a torch gradient that is not ``None``.
+PushEntry = tuple[int, int, np.ndarray, np.ndarray, TableOptimizer, dict[str, float], bool]
 #: The state arrays each optimizer keeps per row, as torch names them.
 STATE_NAMES: dict[TableOptimizer, tuple[str, ...]] = {
     "sgd": (),
@@ -112,7 +114,7 @@ class _Table:
     finished: set[int] = field(default_factory=set)
     applied: int = 0  # sync: the last clock whose summed update is applied
     # Sync: each clock's pushes so far, and the hyperparameters of that step.
-    pending: dict[int, list[tuple[int, np.ndarray, np.ndarray]]] = field(default_factory=dict)
+    pending: dict[int, list[tuple[int, np.ndarray, np.ndarray, bool]]] = field(default_factory=dict)
     pending_hyper: dict[int, dict[str, float]] = field(default_factory=dict)
     generation: int = 0  # restores so far (load_tables)
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
@@ -206,16 +208,20 @@ class TableStore:
         grads: np.ndarray,
         optimizer: TableOptimizer,
         hyper: dict[str, float],
+        touched: bool = True,
     ) -> int:
         """One worker's gradients of its touched rows (already divided by the world
         size) for its update ``clock``; returns once it is applied (in sync: once
         every worker's push of that clock is), with the number of updates applied.
+        An update counts as a step of the optimizer (bias correction, ``lr_decay``)
+        when some worker's backward ``touched`` the table.
 
         Raises:
             ShardProtocolError: A clock out of order, rows of another shard, or an
                 optimizer other than the one the table was trained with.
         """
-        (steps,) = await self.push_many(model, rank, [(table, clock, ids, grads, optimizer, hyper)])
+        entry = (table, clock, ids, grads, optimizer, hyper, touched)
+        (steps,) = await self.push_many(model, rank, [entry])
         return steps
 
     async def push_many(self, model: int, rank: int, entries: Sequence[PushEntry]) -> list[int]:
@@ -242,6 +248,7 @@ class TableStore:
         grads: np.ndarray,
         optimizer: TableOptimizer,
         hyper: dict[str, float],
+        touched: bool,
     ) -> _Table:
         """Records (sync) or applies (ssp, async) one push; a repeat is ignored."""
         t = self._table(model, table)
@@ -267,11 +274,11 @@ class TableStore:
         grads = grads.reshape(len(ids), t.spec.dim).astype(np.float32, copy=False)
         t.clocks[rank] = clock
         if t.spec.sync:
-            t.pending.setdefault(clock, []).append((rank, local, grads))
+            t.pending.setdefault(clock, []).append((rank, local, grads, touched))
             t.pending_hyper[clock] = hyper
             self._apply_ready(t)
         else:
-            self._apply(t, local, grads, hyper)
+            self._apply(t, local, grads, hyper, touched)
         return t
 
     def _apply_ready(self, t: _Table) -> None:
@@ -279,29 +286,39 @@ class TableStore:
         while True:
             clock = t.applied + 1
             got = t.pending.get(clock, [])
-            waiting = set(range(t.num_workers)) - t.finished - {r for r, _, _ in got}
+            waiting = set(range(t.num_workers)) - t.finished - {r for r, *_ in got}
             if waiting or not got:
                 return
             del t.pending[clock]
             hyper = t.pending_hyper.pop(clock)
-            ids = np.concatenate([i for _, i, _ in got])
-            grads = np.concatenate([g for _, _, g in got])
+            ids = np.concatenate([i for _, i, _, _ in got])
+            grads = np.concatenate([g for _, _, g, _ in got])
             rows, inverse = np.unique(ids, return_inverse=True)
             summed = np.zeros((len(rows), t.spec.dim), np.float32)
             np.add.at(summed, inverse, grads)
-            self._apply(t, rows, summed, hyper)
+            self._apply(t, rows, summed, hyper, any(touched for *_, touched in got))
             t.applied = clock
 
     def _apply(
-        self, t: _Table, rows: np.ndarray, grads: np.ndarray, hyper: dict[str, float]
+        self,
+        t: _Table,
+        rows: np.ndarray,
+        grads: np.ndarray,
+        hyper: dict[str, float],
+        touched: bool,
     ) -> None:
         """One optimizer step on the touched ``rows`` (local indices, unique for the
-        summed sync update; a worker's own rows are unique too)."""
-        t.steps += 1
+        summed sync update; a worker's own rows are unique too). Without ``touched``
+        (no backward reached the table) the step count stays, as torch's optimizers
+        skip a parameter whose gradient is ``None``."""
+        if touched:
+            t.steps += 1
         if t.spec.padding_idx is not None and t.lo <= t.spec.padding_idx < t.hi:
             # As torch's sparse gradients: the padding row is never touched.
             keep = rows != t.spec.padding_idx - t.lo
             rows, grads = rows[keep], grads[keep]
+        if not len(rows):
+            return
         lr = hyper["lr"]
         if hyper.get("maximize"):
             grads = -grads
