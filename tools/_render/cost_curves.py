@@ -57,11 +57,6 @@ def curve_ratio(file: str, variant: str, params_m: str, workers: str) -> str:
     return _x(_vs_ddp(file, variant, float(params_m) * 1e6, int(workers)), 1)
 
 
-def curve_s(file: str, variant: str, params_m: str, workers: str) -> str:
-    """One point's median step in seconds, e.g. ``9.0 s``."""
-    return f"{_point(file, variant, float(params_m), int(workers))['step_ms'] / 1e3:.1f} s"
-
-
 def curve_range(file: str, variant: str, *scope: str) -> str:
     """Smallest to largest ratio to DDP over every multi-worker point, e.g.
     ``1.7–7.1×``; with ``but-worst``, over every point but the slowest one, which is
@@ -78,15 +73,3 @@ def curve_range(file: str, variant: str, *scope: str) -> str:
             f"parameters with {worst[2]} workers)"
         )
     return f"{points[0][0]:.1f}–{_x(points[-1][0], 1)}"
-
-
-def curve_rss(file: str, params_m: str, workers: str) -> str:
-    """Peak resident memory of rank 0 for DDP, PS-sync and PS-async at one point."""
-    gb = {
-        v: _point(file, v, float(params_m), int(workers))["peak_rss_mb"] / 1e3
-        for v in ("ddp", "ps_sync", "ps_async")
-    }
-    return (
-        f"{gb['ddp']:.2f} GB (DDP), {gb['ps_sync']:.2f} GB (sync) "
-        f"and {gb['ps_async']:.2f} GB (async)"
-    )

@@ -25,25 +25,23 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .chaos_soak import chaos_table
-from .cost_curves import cost_shm_table, curve_range, curve_ratio, curve_rss, curve_s
+from .cost_curves import cost_shm_table, curve_range, curve_ratio
 from .diloco import diloco_digits_table, diloco_points, net_bytes_fraction
 from .net import (
     net_cost_table,
     net_floor,
-    net_link,
     net_link_table,
     net_model_table,
     net_ratio,
     net_round_ratios,
     net_table,
 )
-from .provenance import results_table, staleness_report
+from .provenance import staleness_report
 from .recsys import recsys_ratio, recsys_table
 from .resnet18 import resnet_ratio, resnet_table
 from .results import ROOT, RenderError
 from .step_time import round_ms, step_bytes, step_calls, step_compare, step_ratio, step_time_table
 from .straggler import (
-    digits_gap,
     digits_reach,
     digits_table,
     straggler_compare,
@@ -83,23 +81,18 @@ RENDERERS: dict[str, Callable[..., str]] = {
         straggler_sleep,
         straggler_rounds,
         digits_table,
-        digits_gap,
         digits_reach,
         cost_shm_table,
         curve_ratio,
-        curve_s,
         curve_range,
-        curve_rss,
         resnet_table,
         resnet_ratio,
-        results_table,
         net_table,
         net_ratio,
         net_model_table,
         net_floor,
         net_round_ratios,
         net_link_table,
-        net_link,
         net_cost_table,
         wire_server_table,
         wire_loop_cpu,

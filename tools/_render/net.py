@@ -31,38 +31,50 @@ NET_LABELS = {
     "compute": "compute only (no synchronisation)",
 }
 NET_BASES = {"ddp": "DDP", "ddp_bf16": "DDP + bf16 hook"}
+# Variants that move PS sync's bytes by construction (another chunk size or shard
+# placement): the cost-model table leaves them out.
+SAME_BYTES_AS_PS_SYNC = {
+    "ps_sync_worker",
+    "ps_sync_node",
+    "ps_sync_256kib",
+    "ps_sync_512kib",
+    "ps_sync_4mib",
+    "ps_sync_16mib",
+}
 
 
-def net_table(result: str = "net_step_time") -> str:
-    """The step-time table of one ``net_step_time.py`` run (``results/<result>.json``)."""
-    d = read_json(result)
-    rows = []
-    for v, ms in d["mean_step_ms"].items():
-        mb = d["rank0_link_mb_per_step"][v]
-        base = d.get("counterpart", {}).get(v, "ddp")
-        against = d.get("ratio_to_counterpart", d["ratio_to_ddp"])[v]
-        rows.append(
-            [
-                NET_LABELS.get(v, f"`{v}`"),
-                f"{ms:.0f}",
-                _x(d["ratio_to_ddp"][v]),
-                f"{_x(against)} ({NET_BASES[base]})",
-                "n/a" if mb is None else f"{mb:.1f}",
-            ]
+def _bed(d: dict[str, Any]) -> str:
+    return f"{d['nodes']} × {d['workers_per_node']}"
+
+
+def net_table(*results: str) -> str:
+    """The step-time table of ``net_step_time.py`` runs (``results/<result>.json``):
+    one run, or several in one table with a column naming each run's nodes × workers.
+
+    A variant held against another DDP variant (``ps_sync_bf16`` against DDP with
+    torch's bf16 hook) shows that ratio beside its ratio to plain DDP."""
+    runs = [(r, read_json(r)) for r in results or ("net_step_time",)]
+    several = len(runs) > 1
+    rows, notes = [], []
+    for result, d in runs:
+        shape = (
+            f"{d['nodes']} nodes × {d['workers_per_node']} worker(s), links shaped to {d['rate']}. "
         )
-    header = [
-        "variant",
-        "mean step (ms)",
-        "ratio to DDP",
-        "ratio to its DDP counterpart",
-        "rank 0's link, MB/step (sent + received)",
-    ]
-    shape = f"{d['nodes']} nodes × {d['workers_per_node']} worker(s), links shaped to {d['rate']}. "
-    return (
-        shape
-        + _provenance(result, "net_step_time", f"{result}.json")
-        + ("\n\n" + _table(header, rows))
-    )
+        prov = shape + _provenance(result, "net_step_time", f"{result}.json")
+        notes.append(f"- {prov}" if several else prov)
+        for v, ms in d["mean_step_ms"].items():
+            mb = d["rank0_link_mb_per_step"][v]
+            base = d.get("counterpart", {}).get(v, "ddp")
+            ratio = _x(d["ratio_to_ddp"][v])
+            if base != "ddp" and base != v:
+                ratio += f" ({_x(d['ratio_to_counterpart'][v])} of {NET_BASES[base]})"
+            row = [NET_LABELS.get(v, f"`{v}`"), f"{ms:.0f}", ratio]
+            row.append("n/a" if mb is None else f"{mb:.1f}")
+            rows.append([_bed(d), *row] if several else row)
+    header = ["variant", "mean step (ms)", "ratio to DDP", "rank 0's link, MB/step (both ways)"]
+    if several:
+        header = ["nodes × workers", *header]
+    return "\n".join(notes) + "\n\n" + _table(header, rows)
 
 
 def _net_bytes_model(variant: str, nodes: int, k: int, model_bytes: float) -> float | None:
@@ -135,8 +147,8 @@ def net_cost_table() -> str:
 
 
 def net_model_table(*results: str) -> str:
-    """Measured link bytes and communication time of every network run against the
-    cost model's."""
+    """Measured link bytes and communication time of network runs against the cost
+    model's (one row per distinct cost: ``SAME_BYTES_AS_PS_SYNC`` are left out)."""
     rows = []
     for result in results:
         d = read_json(result)
@@ -144,7 +156,7 @@ def net_model_table(*results: str) -> str:
         compute = d["mean_step_ms"].get("compute")
         for v, mb in d["rank0_link_mb_per_step"].items():
             paper = _paper_link_bytes(d, v)
-            if paper is None or mb is None:
+            if paper is None or mb is None or v in SAME_BYTES_AS_PS_SYNC:
                 continue
             wire_ms = _line_rate_ms(d, paper)
             comm = "n/a" if compute is None else f"{d['mean_step_ms'][v] - compute:.0f}"
@@ -215,8 +227,8 @@ def net_link_table(result: str) -> str:
     d, trace = _link_trace(result)
     rows = []
     for v, t in trace.items():
-        if "later_start_to_end_ms" not in t:
-            continue  # no traffic: the compute floor
+        if "later_start_to_end_ms" not in t or v in SAME_BYTES_AS_PS_SYNC:
+            continue  # no traffic (the compute floor), or PS sync's bytes again
         if t["steps_traced"] < d["args"]["steps"]:
             # Steps ran into each other without a quiet gap: no per-step figures.
             rows.append([NET_LABELS.get(v, f"`{v}`"), f"{d['mean_step_ms'][v]:.0f}"] + ["n/a"] * 4)
@@ -246,9 +258,3 @@ def net_link_table(result: str) -> str:
         "the link never went quiet between steps, so they cannot be told apart."
     )
     return note + "\n\n" + _table(header, rows)
-
-
-def net_link(variant: str, result: str, stat: str) -> str:
-    """One traced figure (``gap_ms``, ``skew_ms``, ``later_start_to_end_ms``), in ms."""
-    _, trace = _link_trace(result)
-    return f"{trace[variant][stat]:.0f} ms"

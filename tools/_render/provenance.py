@@ -1,5 +1,5 @@
-"""When and on which commit each stored result was measured (``results_table``, and
-the ``--staleness`` report)."""
+"""On which commit each stored result was measured: the ``--staleness`` report (each
+table in the docs names its own commit, through ``fmt._provenance``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .fmt import _table
 from .results import RESULTS, ROOT
 
 
@@ -19,19 +18,6 @@ def result_files() -> list[Path]:
 def _meta(path: Path) -> dict[str, Any]:
     d = json.loads(path.read_text())
     return d if isinstance(d, dict) else {}
-
-
-def results_table() -> str:
-    """When and on which commit each stored result was measured."""
-    rows = [
-        [
-            f"`{p.name}`",
-            _meta(p).get("date", "not recorded"),
-            f"`{_meta(p)['commit']}`" if "commit" in _meta(p) else "not recorded",
-        ]
-        for p in result_files()
-    ]
-    return _table(["result", "measured", "commit"], rows)
 
 
 def package_commits_since(commit: str) -> int | None:

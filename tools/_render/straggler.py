@@ -4,7 +4,7 @@ with a straggler, and the digits runs."""
 from __future__ import annotations
 
 from .fmt import EMPHASIS, _and, _bold, _faster_or_slower, _provenance, _table, _x
-from .results import read_json
+from .results import RenderError, read_json
 
 
 def _label(key: str) -> str:
@@ -34,9 +34,12 @@ def straggler_table() -> str:
     return _provenance("straggler", "straggler", "straggler.json") + "\n\n" + _table(header, rows)
 
 
-def straggler_phase_table() -> str:
-    """Rank 0's step split into phases, median over its steps, last round."""
+def straggler_phase_table(only: str = "") -> str:
+    """Rank 0's step split into phases, median over its steps, last round; with
+    ``straggler``, only the runs with a straggler."""
     last = read_json("straggler")["rounds"][-1]
+    if only not in ("", "straggler"):
+        raise RenderError(f"straggler_phase_table takes an optional 'straggler', got {only!r}")
     phases = ["forward", "backward", "ps_before_step", "optimizer", "ps_after_step", "ps_wait"]
     rows = [
         [
@@ -45,7 +48,7 @@ def straggler_phase_table() -> str:
             f"{last[k]['median_step_ms'][0]:.1f}",
         ]
         for k in last
-        if "phase_ms" in last[k]
+        if "phase_ms" in last[k] and (not only or k.endswith("+straggler"))
     ]
     header = [
         "variant (rank 0)",
@@ -123,12 +126,6 @@ def digits_table() -> str:
         "without straggler",
     ]
     return _table(header, rows)
-
-
-def digits_gap(better: str, worse: str) -> str:
-    """Final-accuracy difference in percentage points, e.g. ``1.5``."""
-    acc = read_json("straggler")["final_digits_accuracy"]
-    return f"{(acc[better] - acc[worse]) * 100:.1f}"
 
 
 def digits_reach(mode: str, accuracy: str) -> str:
