@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -28,13 +29,22 @@ from ray_ps_plugin import PSConfig, PSTrainer, get_ps_context
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-def parse_args(doc: str | None, steps: int, lr: float) -> argparse.Namespace:
-    """The examples' command line: ``--steps``, ``--workers``, ``--lr``, ``--modes``."""
+def parse_args(
+    doc: str | None, steps: int, lr: float, sharded_option: bool = False
+) -> argparse.Namespace:
+    """The examples' command line: ``--steps``, ``--workers``, ``--lr``, ``--modes``
+    (and ``--sharded`` where the example has embedding tables to shard)."""
     parser = argparse.ArgumentParser(description=doc)
     parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--lr", type=float, default=lr)
     parser.add_argument("--modes", nargs="+", default=["sync", "async"])
+    if sharded_option:
+        parser.add_argument(
+            "--sharded",
+            action="store_true",
+            help="PS runs build the tables on the meta device: only the shards hold them",
+        )
     return parser.parse_args()
 
 
@@ -55,10 +65,13 @@ def report(
 ) -> None:
     """Reports the run's figures, with rank 0's parameters as the checkpoint."""
     ctx = get_ps_context()
+    pushed = ctx.stats.bytes_pushed + ctx.table_stats()["bytes_pushed"] if ctx else 0
     metrics = {
         "final_loss": final_loss,
         "step_ms": 1e3 * statistics.median(step_times),
-        "kb_pushed": ctx.stats.bytes_pushed / 1e3 if ctx else 0.0,
+        "kb_pushed": pushed / 1e3,
+        # This worker's peak resident memory: a replicated table counts in it.
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "steps": steps,
     }
     with tempfile.TemporaryDirectory() as d:
@@ -82,7 +95,11 @@ def compare(
         for strategy, mode in runs:
             trainer = PSTrainer(
                 train_fn,
-                train_loop_config={"steps": args.steps, "lr": args.lr},
+                train_loop_config={
+                    "steps": args.steps,
+                    "lr": args.lr,
+                    "sharded": getattr(args, "sharded", False),
+                },
                 ps_config=PSConfig(strategy=strategy, mode=mode),
                 scaling_config=ScalingConfig(
                     num_workers=args.workers, resources_per_worker={"CPU": 1}
@@ -99,16 +116,22 @@ def compare(
     print(f"\n{title}, {args.workers} workers, {args.steps} steps")
     print(
         f"{'strategy':<10} {'final loss':>10} {'step (ms)':>10} {'kB pushed':>10} "
-        f"{'max |param - DDP param|':>24}"
+        f"{'peak RSS (MB)':>14} {'max |param - DDP param|':>24}"
     )
     for label, m in rows.items():
+        # A sharded table's weight stays on the meta device (its rows are the shards'):
+        # the distance is then over the other parameters.
         diff = max(
             (states[label][k].double() - states["ddp"][k].double()).abs().max().item()
             for k in states["ddp"]
-            if states["ddp"][k].is_floating_point()
+            if states["ddp"][k].is_floating_point() and not states[label][k].is_meta
         )
         print(
             f"{label:<10} {m['final_loss']:>10.4f} {m['step_ms']:>10.2f} "
-            f"{m['kb_pushed']:>10.1f} {diff:>24.3g}"
+            f"{m['kb_pushed']:>10.1f} {m['peak_rss_mb']:>14.0f} {diff:>24.3g}"
         )
-    print("\nSame training code in every row; ps/sync ends with DDP's parameters.")
+    if getattr(args, "sharded", False):
+        print("\nPS rows: the tables live on the shards (--sharded); the distance to DDP")
+        print("covers the other parameters, as no worker holds the tables' rows.")
+    else:
+        print("\nSame training code in every row; ps/sync ends with DDP's parameters.")

@@ -6,9 +6,11 @@ the tables and ``Adam`` the MLP, as recommendation code does. The ids follow a Z
 law (a few rows are hot) and are generated in the process, so nothing is
 downloaded. Only ``PSConfig(strategy=..., mode=...)`` changes between the runs: under
 ``mode="sync"`` each worker sends the shards only the rows its batch touched and
-ends with DDP's parameters.
+ends with DDP's parameters. With ``--sharded`` the PS runs build the tables on the
+meta device: the shards hold them, each worker pulls the rows its batch needs and
+holds none (compare the workers' peak memory with DDP's).
 
-    python examples/recsys_ps.py [--steps 40] [--workers 2] [--modes sync async]
+    python examples/recsys_ps.py [--steps 40] [--workers 2] [--modes sync async] [--sharded]
 """
 
 from __future__ import annotations
@@ -26,14 +28,17 @@ import torch
 import torch.nn as nn
 from _side_by_side import compare, parse_args, report, servers_up_to_date
 
+from ray_ps_plugin import get_ps_context
+
 ROWS, DIM, BAG, BATCH = 50_000, 32, 4, 128
 
 
 class Recsys(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, sharded: bool = False) -> None:
         super().__init__()
-        self.users = nn.EmbeddingBag(ROWS, DIM, mode="sum", sparse=True)
-        self.items = nn.EmbeddingBag(ROWS, DIM, mode="sum", sparse=True)
+        device = "meta" if sharded else None  # meta: the tables live on the shards
+        self.users = nn.EmbeddingBag(ROWS, DIM, mode="sum", sparse=True, device=device)
+        self.items = nn.EmbeddingBag(ROWS, DIM, mode="sum", sparse=True, device=device)
         self.mlp = nn.Sequential(nn.Linear(2 * DIM, 64), nn.ReLU(), nn.Linear(64, 1))
 
     def forward(self, users: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
@@ -52,7 +57,9 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, ...]:
 def train_func(config: dict[str, Any]) -> None:
     torch.manual_seed(0)
     rank = ray.train.get_context().get_world_rank()
-    net = Recsys()
+    # Under DDP every worker holds the tables; under PS with --sharded none does.
+    sharded = config["sharded"] and get_ps_context() is not None
+    net = Recsys(sharded)
     model = ray.train.torch.prepare_model(net)
     opts = [
         torch.optim.SparseAdam([net.users.weight, net.items.weight], lr=config["lr"]),
@@ -72,10 +79,10 @@ def train_func(config: dict[str, Any]) -> None:
     servers_up_to_date()
     with torch.no_grad():
         held_out = [batch(10_000 + i, 0) for i in range(4)]
-        final = sum(loss_fn(net(u, i), y).item() for u, i, y in held_out) / len(held_out)
+        final = sum(loss_fn(model(u, i), y).item() for u, i, y in held_out) / len(held_out)
     report(net.state_dict(), final, times, config["steps"])
 
 
 if __name__ == "__main__":
-    args = parse_args(__doc__, steps=40, lr=1e-2)
+    args = parse_args(__doc__, steps=40, lr=1e-2, sharded_option=True)
     compare(train_func, args, "Sparse embedding tables (SparseAdam + Adam)", "recsys")
