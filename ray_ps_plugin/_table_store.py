@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -125,10 +126,24 @@ class _Table:
 
 
 def _new_state(t: _Table, optimizer: TableOptimizer) -> dict[str, np.ndarray]:
-    """Zeroed state arrays of a table's rows. ``np.zeros`` takes pages the kernel
-    zeroes on first touch, so only rows a batch has touched cost memory (SparseAdam's
-    two arrays would otherwise double a shard's footprint from its first step)."""
-    return {n: np.zeros(t.weight.shape, t.weight.dtype) for n in STATE_NAMES[optimizer]}
+    """Zeroed state arrays of a table's rows, in memory the kernel maps on first
+    touch: only the pages of rows trained so far cost memory (SparseAdam's two
+    arrays would otherwise triple a shard's footprint at its first step)."""
+    return {n: _lazy_zeros(t.weight.shape, t.weight.dtype) for n in STATE_NAMES[optimizer]}
+
+
+def _lazy_zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A zeroed array whose pages are mapped when first written, in 4 KiB pages.
+
+    Not ``np.zeros``: NumPy asks for transparent huge pages on large arrays, and then
+    the first touch of one row maps and zeroes 2 MiB: steps slow down and the shard
+    soon holds most of the state arrays.
+    """
+    nbytes = max(1, int(np.prod(shape)) * np.dtype(dtype).itemsize)
+    mapping = mmap.mmap(-1, nbytes)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux
+        mapping.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(mapping, dtype, count=int(np.prod(shape))).reshape(shape)
 
 
 class TableStore:
