@@ -37,7 +37,13 @@ from .net import (
     net_table,
 )
 from .provenance import staleness_report
-from .recsys import recsys_ratio, recsys_table
+from .recsys import (
+    recsys_memory_table,
+    recsys_peak_gib,
+    recsys_ratio,
+    recsys_table,
+    recsys_versus,
+)
 from .resnet18 import resnet_ratio, resnet_table
 from .results import ROOT, RenderError
 from .step_time import round_ms, step_bytes, step_calls, step_compare, step_ratio, step_time_table
@@ -102,6 +108,9 @@ RENDERERS: dict[str, Callable[..., str]] = {
         net_bytes_fraction,
         recsys_table,
         recsys_ratio,
+        recsys_versus,
+        recsys_memory_table,
+        recsys_peak_gib,
     )
 }
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 from .fmt import _provenance, _table, _x
@@ -28,13 +29,17 @@ def recsys_table(*results: str) -> str:
         notes.append(f"- {_setup(d)}: {prov}" if several else prov)
         for variant, e in d["summary"].items():
             measured = e.get("ps_bytes_per_step")
+            # A sharded table's cost model: the worker's rows out and back, once each.
+            cost = e[
+                "cost_sharded_bytes_per_step" if "sharded" in variant else "cost_ps_bytes_per_step"
+            ]
             row = [
                 f"`{variant}`",
                 f"{e['median_step_s'] * 1e3:.1f}",
                 _x(e["ratio_to_ddp"]),
                 _mb(measured if variant != "ddp" else e["cost_ddp_bytes_per_step"]),
-                _mb(e["cost_ps_bytes_per_step"] if variant != "ddp" else None),
-                "n/a" if measured is None else f"{measured / e['cost_ps_bytes_per_step']:.2f}",
+                _mb(cost if variant != "ddp" else None),
+                "n/a" if measured is None else f"{measured / cost:.2f}",
                 _mb(e.get("link_bytes_per_step")),
             ]
             rows.append([_setup(d), *row] if several else row)
@@ -55,3 +60,51 @@ def recsys_table(*results: str) -> str:
 def recsys_ratio(variant: str, result: str) -> str:
     """A variant's step time as a multiple of DDP's in a recsys result, e.g. ``1.73×``."""
     return _x(read_json(result)["summary"][variant]["ratio_to_ddp"])
+
+
+def recsys_versus(variant: str, baseline: str, result: str) -> str:
+    """A variant's step time as a multiple of another's, the median over the rounds
+    of a recsys result (each round runs both), e.g. ``1.42×``."""
+    rounds = read_json(result)["rounds"]
+    return _x(
+        statistics.median(r[variant]["mean_step_s"] / r[baseline]["mean_step_s"] for r in rounds)
+    )
+
+
+def _gib(value: float) -> str:
+    return f"{value / 2**30:.2f}"
+
+
+def recsys_memory_table(result: str) -> str:
+    """Memory of a sharded-table run against what DDP would hold: the table, and
+    SparseAdam's two state tensors of the table's size, on every worker."""
+    d = read_json(result)
+    a = d["args"]
+    workers = a["nodes"] * a["workers_per_node"]
+    rows = []
+    for variant, e in d["summary"].items():
+        table = d["rounds"][0][variant]["table_bytes"]
+        rows.append(
+            [
+                f"`{variant}`",
+                f"{a['tables']} × {a['rows']:,} × {a['dim']} fp32 = {_gib(table)} GiB",
+                _gib(e["max_worker_peak_rss_bytes"]),
+                _gib(e["max_shard_peak_rss_bytes"]),
+                f"{_gib(3 * table)} per worker, {_gib(3 * table * workers)} for {workers}",
+            ]
+        )
+    header = [
+        "variant",
+        "tables",
+        "worker peak RSS (GiB, max)",
+        "shard peak RSS (GiB, max)",
+        "DDP's tables and SparseAdam state (GiB)",
+    ]
+    prov = _provenance(result, "recsys", f"{result}.json")
+    return prov + "\n\n" + _table(header, rows)
+
+
+def recsys_peak_gib(variant: str, result: str, who: str) -> str:
+    """The highest peak RSS of a variant's workers or shards (``who``), in GiB."""
+    e = read_json(result)["summary"][variant]
+    return _gib(e[f"max_{who}_peak_rss_bytes"])
