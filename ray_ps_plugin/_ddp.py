@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ray_ps_plugin import _runtime, _table_client, _torch_compat
+from ray_ps_plugin import _runtime, _table_client, _table_layers, _torch_compat
 from ray_ps_plugin._modes import MODE_SPECS
 from ray_ps_plugin._transport import RayTransport
 from ray_ps_plugin._types import Compression
@@ -164,7 +164,7 @@ def attach(ddp: PSDistributedDataParallel) -> None:
     _runtime.register(client)
     client.bind(ddp)  # sync: registers the servers' comm hook
     ddp._ps_owns_comm = True
-    if _table_client.meta_tables(ddp.module):
+    if _table_layers.meta_tables(ddp.module):
         tables = _table_client.ShardedTables(
             setup.model_id,
             ddp.module,
@@ -184,8 +184,8 @@ def _before_ddp(module: torch.nn.Module) -> None:
     settings = _runtime.current_run().settings
     check_supported(module, settings.compression)
     _check_not_attached(module)
-    _table_client.check_tables(module, settings.mode)
-    names = _table_client.meta_table_names(module)
+    _table_layers.check_tables(module, settings.mode)
+    names = _table_layers.meta_table_names(module)
     if names:
         _torch_compat.ignore_in_ddp(module, names)
 
@@ -314,7 +314,7 @@ class PSTrainFuncContext:
         self._swap = ps_ddp_constructors()
         # prepare_model moves the model with .to(): a sharded table's weight stays
         # on the meta device (its rows are materialised on the shards).
-        self._keep_tables = _torch_compat.skipping_in_apply(_table_client.skipped_in_apply)
+        self._keep_tables = _torch_compat.skipping_in_apply(_table_layers.skipped_in_apply)
 
     def __enter__(self) -> PSTrainFuncContext:
         self._base.__enter__()

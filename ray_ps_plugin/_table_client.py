@@ -33,133 +33,18 @@ import torch.nn.functional as F
 
 from ray_ps_plugin._errors import PSError
 from ray_ps_plugin._rows import row_bounds
-from ray_ps_plugin._table_store import PushEntry, TableOptimizer, TableSpec
+from ray_ps_plugin._table_layers import Layer, is_sharded, meta_tables, optimizer_step_spec
+from ray_ps_plugin._table_store import PushEntry, TableSpec
 from ray_ps_plugin._transport import Transport, wait_all
-from ray_ps_plugin._types import Mode, RunSettings, staleness_bound
+from ray_ps_plugin._types import RunSettings, staleness_bound
 
-__all__ = [
-    "ShardedTables",
-    "check_tables",
-    "meta_table_names",
-    "meta_tables",
-    "skipped_in_apply",
-]
+__all__ = ["ShardedTables", "TableRef"]
 
 logger = logging.getLogger(__name__)
 
-_TABLE_TYPES = (torch.nn.Embedding, torch.nn.EmbeddingBag)
-_Layer = torch.nn.Embedding | torch.nn.EmbeddingBag
 #: Rows per call when a checkpoint reads or writes a table: a worker holds at most
 #: this many rows of one table at a time (64 MiB of fp32 rows of 64 values).
 _SLICE_ROWS = 1 << 18
-
-
-def _is_meta_table(m: torch.nn.Module) -> bool:
-    return isinstance(m, _TABLE_TYPES) and m.weight.is_meta
-
-
-def _is_sharded(m: torch.nn.Module) -> bool:
-    return isinstance(m, (_ShardedEmbedding, _ShardedBag))
-
-
-def meta_tables(module: torch.nn.Module) -> list[tuple[str, _Layer]]:
-    """``(name, layer)`` of every embedding layer whose weight is on the meta device."""
-    return [
-        (n, m)
-        for n, m in module.named_modules()
-        if isinstance(m, _TABLE_TYPES) and m.weight.is_meta
-    ]
-
-
-def meta_table_names(module: torch.nn.Module) -> list[str]:
-    """The qualified names of those layers' weights (what DDP must ignore)."""
-    return [f"{n}.weight" if n else "weight" for n, _ in meta_tables(module)]
-
-
-def skipped_in_apply(m: torch.nn.Module) -> list[str]:
-    """For ``Module.to()``: a meta table's weight stays where it is (on the shards)."""
-    return ["weight"] if _is_meta_table(m) and "weight" in m._parameters else []
-
-
-def check_tables(module: torch.nn.Module, mode: Mode) -> None:
-    """Refuses, before DDP's constructor communicates, meta tables that cannot work.
-
-    Raises:
-        ValueError: Naming the layer and the fix.
-    """
-    for name, m in meta_tables(module):
-        where = f"The embedding layer {name or type(module).__name__!r} is on the meta device"
-        if mode == "diloco":
-            raise ValueError(
-                f"{where} (a sharded table), which mode='diloco' cannot train: its workers "
-                "take local steps on their own copy of every parameter. Use mode='sync', "
-                "'async' or 'ssp', or build the table on a real device."
-            )
-        if type(m) not in _TABLE_TYPES and not _is_sharded(m):
-            raise ValueError(
-                f"{where}, but its class {type(m).__qualname__} subclasses "
-                f"{type(m).__mro__[1].__qualname__}: a sharded table replaces the layer's "
-                "forward, which would drop the subclass's. Build a plain nn.Embedding or "
-                "nn.EmbeddingBag on the meta device."
-            )
-        if not m.sparse:
-            raise ValueError(
-                f"{where} with sparse=False. A table that no worker holds is trained row "
-                "by row on the shards: build it with sparse=True (and train it with "
-                "SparseAdam, SGD or Adagrad)."
-            )
-        if m.max_norm is not None:
-            raise ValueError(
-                f"{where} with max_norm={m.max_norm}: max_norm renormalises rows of the "
-                "weight inside forward, which lives on the shards. Drop max_norm (clip "
-                "the gradients, or renormalise the output instead)."
-            )
-        dtype = m.weight.dtype
-        if dtype != torch.float32:
-            raise ValueError(
-                f"{where} with dtype {dtype}; sharded tables are float32. "
-                "Build it with dtype=torch.float32."
-            )
-
-
-def optimizer_step_spec(
-    optimizer: torch.optim.Optimizer, group: dict[str, Any], table: str
-) -> tuple[TableOptimizer, dict[str, float]]:
-    """What the shards apply for a table in ``group`` of ``optimizer`` this step.
-
-    Raises:
-        ValueError: For an optimizer (or an option) the shards do not apply.
-    """
-    fix = (
-        f"The sharded table {table!r} is stepped by {type(optimizer).__name__}; the "
-        "shards apply SparseAdam, SGD (no momentum, no weight decay) or Adagrad (no "
-        "weight decay) to its rows. Give the table an optimizer of its own, e.g. "
-        "torch.optim.SparseAdam([layer.weight]), and keep yours for the other parameters."
-    )
-    lr = float(group["lr"])
-    maximize = float(bool(group.get("maximize", False)))
-    if isinstance(optimizer, torch.optim.SparseAdam):
-        beta1, beta2 = group["betas"]
-        hyper = {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": group["eps"]}
-        return "sparse_adam", {**hyper, "maximize": maximize}
-    if isinstance(optimizer, torch.optim.SGD):
-        if group["momentum"] or group["weight_decay"]:
-            raise ValueError(
-                fix + f" (this SGD has momentum={group['momentum']}, "
-                f"weight_decay={group['weight_decay']})."
-            )
-        return "sgd", {"lr": lr, "maximize": maximize}
-    if isinstance(optimizer, torch.optim.Adagrad):
-        if group["weight_decay"]:
-            raise ValueError(fix + f" (this Adagrad has weight_decay={group['weight_decay']}).")
-        hyper = {
-            "lr": lr,
-            "lr_decay": group["lr_decay"],
-            "eps": group["eps"],
-            "initial_accumulator_value": group["initial_accumulator_value"],
-        }
-        return "adagrad", {**hyper, "maximize": maximize}
-    raise ValueError(fix)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,7 +101,7 @@ class _Table:
         self,
         ref: TableRef,
         name: str,
-        layer: _Layer,
+        layer: Layer,
         spec: TableSpec,
         num_shards: int,
         tables: ShardedTables,
@@ -255,7 +140,7 @@ class _Table:
 
     def lookup(
         self,
-        layer: _Layer,
+        layer: Layer,
         input: torch.Tensor,
         offsets: torch.Tensor | None = None,
         per_sample_weights: torch.Tensor | None = None,
@@ -361,7 +246,7 @@ class ShardedTables:
         staleness = 0 if settings.mode == "sync" else staleness_bound(settings)
         # A layer already sharded (the same module wrapped again, as a second
         # Lightning fit does in sync) keeps its table and the rows it learnt.
-        new = [(n, m) for n, m in meta_tables(module) if not _is_sharded(m)]
+        new = [(n, m) for n, m in meta_tables(module) if not is_sharded(m)]
         for index, (name, layer) in enumerate(new):
             spec = TableSpec(
                 rows=layer.num_embeddings,

@@ -33,6 +33,7 @@ LAYER_OF = {
     "_rows": PIECES,
     "_table_store": PIECES,
     "_table_client": PIECES,
+    "_table_layers": PIECES,
     "_nonfinite": PIECES,
     "_metrics": PIECES,
     "_types": LEAVES,

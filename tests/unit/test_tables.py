@@ -14,12 +14,8 @@ from ray_ps_plugin import _table_client, _table_store, _torch_compat
 from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
 from ray_ps_plugin._param.shard import ParamShard
 from ray_ps_plugin._rows import row_bounds
-from ray_ps_plugin._table_client import (
-    ShardedTables,
-    check_tables,
-    optimizer_step_spec,
-    skipped_in_apply,
-)
+from ray_ps_plugin._table_client import ShardedTables
+from ray_ps_plugin._table_layers import check_tables, optimizer_step_spec, skipped_in_apply
 from ray_ps_plugin._table_store import TableSpec, TableStore, init_rows
 from tests.unit.fakes import FakeTransport, LoopThread, Settings, _copy
 
