@@ -108,8 +108,8 @@ class PSConfig(TorchConfig):
             byte of a node's own shards through the object store (e.g. to compare).
         server_placement: ``"auto"`` (the default): one shard per node when a sync
             run spans several nodes and some node has several workers (its shard
-            relays the node's partial sums; measured faster than one shard per
-            worker there), otherwise one shard per worker. ``"worker"``: one shard
+            relays the node's partial sums; docs/benchmarks.md compares it with one
+            shard per worker), otherwise one shard per worker. ``"worker"``: one shard
             per worker, in its bundle (or ``num_servers`` shards round-robin over the
             workers). ``"node"``: one shard per node, in the bundle of that node's
             lowest-rank worker. ``num_servers`` set means ``"worker"`` placement.
