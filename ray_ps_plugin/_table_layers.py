@@ -55,7 +55,8 @@ def meta_table_names(module: torch.nn.Module) -> list[str]:
 
 def skipped_in_apply(m: torch.nn.Module) -> list[str]:
     """For ``Module.to()``: a meta table's weight stays where it is (on the shards)."""
-    return ["weight"] if _is_meta_table(m) and "weight" in m._parameters else []
+    registered = dict(m.named_parameters(recurse=False))
+    return ["weight"] if _is_meta_table(m) and "weight" in registered else []
 
 
 def check_tables(module: torch.nn.Module, mode: Mode) -> None:
