@@ -55,8 +55,9 @@ def meta_table_names(module: torch.nn.Module) -> list[str]:
 
 def skipped_in_apply(m: torch.nn.Module) -> list[str]:
     """For ``Module.to()``: a meta table's weight stays where it is (on the shards)."""
-    registered = dict(m.named_parameters(recurse=False))
-    return ["weight"] if _is_meta_table(m) and "weight" in registered else []
+    if not _is_meta_table(m):
+        return []
+    return ["weight"] if "weight" in dict(m.named_parameters(recurse=False)) else []
 
 
 def check_tables(module: torch.nn.Module, mode: Mode) -> None:
