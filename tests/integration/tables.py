@@ -170,3 +170,61 @@ def tables_from_checkpoint(d: Path) -> dict[str, np.ndarray]:
         parts = sorted(folder.glob("rows*.npz"))
         out[name] = np.concatenate([np.load(p)["weight"] for p in parts])
     return out
+
+
+def lightning_loop(config: dict[str, Any]) -> None:
+    """Lightning's own recipe (RayDDPStrategy, manual optimization with SparseAdam on
+    the table and Adam on the MLP, 12 steps); rank 0 reports the table's rows as a
+    checkpoint (sharded: ``save_tables``; DDP: the weight as ``bags.npy``)."""
+    import pytorch_lightning as pl
+    import ray.train.lightning as rl
+
+    class Module(pl.LightningModule):
+        def __init__(self, meta: bool) -> None:
+            super().__init__()
+            self.net = Recsys(meta)
+            self.automatic_optimization = False
+
+        def training_step(self, batch: Any, index: int) -> torch.Tensor:
+            bag_ids, item_ids, y = batch
+            tables, mlp = self.optimizers()
+            tables.zero_grad()
+            mlp.zero_grad()
+            loss = F.mse_loss(self.net(bag_ids, item_ids), y)
+            self.manual_backward(loss)
+            tables.step()
+            mlp.step()
+            return loss
+
+        def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+            return optimizers(self.net, "sparse_adam")
+
+    torch.manual_seed(SEED)
+    rank = ray.train.get_context().get_world_rank()
+    data = [batch(step, rank) for step in range(12)]
+    trainer = rl.prepare_trainer(
+        pl.Trainer(
+            max_steps=12,
+            strategy=rl.RayDDPStrategy(),
+            plugins=[rl.RayLightningEnvironment()],
+            accelerator="cpu",
+            devices="auto",
+            enable_checkpointing=False,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+    )
+    module = Module(config["meta"])
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None))
+    ctx = get_ps_context()
+    with tempfile.TemporaryDirectory() as d:
+        if ctx is not None:
+            ctx.save_tables(Path(d) / "tables")
+        if rank != 0:
+            ray.train.report({"step": 12})
+            return
+        if ctx is None:
+            for name in ("bags", "items"):
+                np.save(Path(d) / f"{name}.npy", getattr(module.net, name).weight.detach().numpy())
+        ray.train.report({"step": 12}, checkpoint=ray.train.Checkpoint.from_directory(d))
