@@ -174,6 +174,7 @@ def attach(ddp: PSDistributedDataParallel) -> None:
             setup.world_size,
             setup.num_shards,
             seed=_table_seed(),
+            local_shards=setup.local_shards,
         )
         _runtime.register_tables(tables)
 

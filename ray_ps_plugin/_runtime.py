@@ -29,6 +29,7 @@ from torch.optim.optimizer import (
 from ray_ps_plugin._client import ClientBase, ClientSetup
 from ray_ps_plugin._metrics import WorkerMetrics
 from ray_ps_plugin._stats import PSStats
+from ray_ps_plugin._table_checkpoint import load_tables, save_tables
 from ray_ps_plugin._table_client import ShardedTables
 from ray_ps_plugin._transport import Transport
 from ray_ps_plugin._types import Mode, RunSettings
@@ -141,7 +142,7 @@ class PSContext:
         for tables in _TABLES:
             tables.flush()
             if tables.rank == 0:
-                tables.save(Path(path))
+                save_tables(tables, Path(path))
 
     def load_tables(self, path: str | os.PathLike[str]) -> None:
         """Restores what :meth:`save_tables` wrote, onto any number of shards; call it
@@ -153,7 +154,7 @@ class PSContext:
             PSTimeoutError: If a shard does not answer within ``ps_timeout_s``.
         """
         for tables in _TABLES:
-            tables.load(Path(path))
+            load_tables(tables, Path(path))
 
     def outer_state_dict(self) -> list[dict[str, Any]]:
         """``mode="diloco"``: the outer optimizer's state of every prepared model

@@ -21,7 +21,9 @@ import numpy as np
 from ray_ps_plugin._dtypes import MODEL_DTYPES
 from ray_ps_plugin._errors import ShardProtocolError
 from ray_ps_plugin._metrics import ShardMetrics
-from ray_ps_plugin._table_store import PushEntry, TableOptimizer, TableSpec, TableStore
+from ray_ps_plugin._shm import SegmentHandle
+from ray_ps_plugin._table_optim import TableOptimizer
+from ray_ps_plugin._table_store import PushEntry, TableSpec, TableStore
 
 __all__ = ["MAX_MODELS", "ShardBase"]
 
@@ -115,9 +117,14 @@ class ShardBase:
         }
 
     # --- sharded tables (every mode but diloco; see _table_store) ---------------------
-    def table_create(self, model: int, table: int, spec: TableSpec, num_shards: int) -> Any:
+    def table_create(
+        self, model: int, table: int, spec: TableSpec, num_shards: int, shared: bool = False
+    ) -> tuple[int, int, SegmentHandle | None]:
+        """Materialises this shard's rows of a table; returns their range and, with
+        ``shared``, the segment workers of this node read them from."""
         self._check(model, None)
-        return self._tables.create(model, table, spec, num_shards)
+        lo, hi = self._tables.create(model, table, spec, num_shards, shared)
+        return lo, hi, self._tables.segment(model, table)
 
     async def table_pull(
         self, model: int, table: int, rank: int, clock: int, ids: np.ndarray

@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import logging
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,18 +31,15 @@ import torch.nn.functional as F
 
 from ray_ps_plugin._errors import PSError
 from ray_ps_plugin._rows import row_bounds
+from ray_ps_plugin._shm import Segment, SegmentHandle
 from ray_ps_plugin._table_layers import Layer, is_sharded, meta_tables, optimizer_step_spec
 from ray_ps_plugin._table_store import PushEntry, TableSpec
 from ray_ps_plugin._transport import Transport, wait_all
 from ray_ps_plugin._types import RunSettings, staleness_bound
 
-__all__ = ["ShardedTables", "TableRef"]
+__all__ = ["ShardedTables", "Table", "TableRef"]
 
 logger = logging.getLogger(__name__)
-
-#: Rows per call when a checkpoint reads or writes a table: a worker holds at most
-#: this many rows of one table at a time (64 MiB of fp32 rows of 64 values).
-_SLICE_ROWS = 1 << 18
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +51,7 @@ class TableRef:
 
 
 #: The live tables of this process, by :class:`TableRef`.
-_LIVE: dict[TableRef, _Table] = {}
+_LIVE: dict[TableRef, Table] = {}
 
 
 class _ShardedEmbedding(torch.nn.Embedding):
@@ -82,7 +77,7 @@ class _ShardedBag(torch.nn.EmbeddingBag):
         return _live(self._ps_table).lookup(self, input, offsets, per_sample_weights)
 
 
-def _live(ref: TableRef) -> _Table:
+def _live(ref: TableRef) -> Table:
     table = _LIVE.get(ref)
     if table is None:
         raise RuntimeError(
@@ -94,7 +89,7 @@ def _live(ref: TableRef) -> _Table:
     return table
 
 
-class _Table:
+class Table:
     """One sharded table of one prepared model on this worker."""
 
     def __init__(
@@ -114,6 +109,9 @@ class _Table:
         self._owner = tables
         self.clock = 0  # updates this worker has pushed
         self.held: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows, their grads)
+        # This node's shards whose rows are read from their shared memory:
+        # (first row, the rows), by shard.
+        self.local: dict[int, tuple[int, np.ndarray]] = {}
 
     def _split(self, ids: np.ndarray) -> Iterator[tuple[int, slice]]:
         """``(shard, slice of ids)`` for each shard owning some of the sorted ``ids``."""
@@ -123,17 +121,28 @@ class _Table:
                 yield s, slice(int(cuts[s]), int(cuts[s + 1]))
 
     def pull(self, ids: torch.Tensor) -> torch.Tensor:
-        """The rows ``ids`` (sorted, unique) as fresh as the mode asks."""
+        """The rows ``ids`` (sorted, unique) as fresh as the mode asks: read from the
+        shared memory of this node's shards, pulled by message from the others."""
         owner = self._owner
         host = ids.cpu().numpy()
         parts = list(self._split(host))
+        if self.local and self.spec.sync:
+            # This worker's last update is applied once its push returns, and in
+            # sync only after every worker's: the rows read next hold every step.
+            owner.flush()
+        by_message = [(s, sl) for s, sl in parts if s not in self.local]
         handles = [
             owner.transport.call(
                 s, "table_pull", self.ref.model, self.ref.index, owner.rank, self.clock, host[sl]
             )
+            for s, sl in by_message
+        ]
+        pulled = owner.wait(handles, [s for s, _ in by_message], f"pulling rows of {self.name!r}")
+        answers = dict(zip((s for s, _ in by_message), pulled))
+        got = [
+            self.local[s][1][host[sl] - self.local[s][0]] if s in self.local else answers[s]
             for s, sl in parts
         ]
-        got = owner.wait(handles, [s for s, _ in parts], f"pulling rows of {self.name!r}")
         rows = np.concatenate(got) if got else np.empty((0, self.spec.dim), np.float32)
         owner.count(pulled=rows.nbytes + host.nbytes)
         return torch.from_numpy(rows).to(ids.device)
@@ -219,6 +228,9 @@ class ShardedTables:
         world_size: Number of workers.
         num_shards: Number of shards the rows are split over.
         seed: Seed of the initial values, the same on every worker.
+        local_shards: Shards of this worker's node reached through shared memory:
+            in sync and async the worker reads their rows there (ssp pulls them by
+            message, where the shard enforces the staleness bound).
     """
 
     def __init__(
@@ -231,6 +243,7 @@ class ShardedTables:
         world_size: int,
         num_shards: int,
         seed: int,
+        local_shards: Sequence[int] = (),
     ) -> None:
         self.model_id = model_id
         self.transport = transport
@@ -240,9 +253,9 @@ class ShardedTables:
         self.num_shards = num_shards
         self.stats = {"bytes_pulled": 0, "bytes_pushed": 0, "pushes": 0}
         self._error: BaseException | None = None
-        self._generation = 0
+        self.generation = 0  # restores of the tables so far (load_tables)
         self._inflight: list[Any] = []  # the last step's push, one call per shard
-        self.tables: list[_Table] = []
+        self.tables: list[Table] = []
         staleness = 0 if settings.mode == "sync" else staleness_bound(settings)
         # A layer already sharded (the same module wrapped again, as a second
         # Lightning fit does in sync) keeps its table and the rows it learnt.
@@ -256,14 +269,21 @@ class ShardedTables:
                 staleness=staleness,
                 sync=settings.mode == "sync",
             )
-            table = _Table(TableRef(model_id, index), name, layer, spec, num_shards, self)
+            table = Table(TableRef(model_id, index), name, layer, spec, num_shards, self)
             self.tables.append(table)
+        shared = set(local_shards) if settings.mode in ("sync", "async") else set()
+        pairs = [(t, s) for t in self.tables for s in range(num_shards)]
         handles = [
-            transport.call(s, "table_create", model_id, t.ref.index, t.spec, num_shards)
-            for t in self.tables
-            for s in range(num_shards)
+            transport.call(
+                s, "table_create", model_id, t.ref.index, t.spec, num_shards, s in shared
+            )
+            for t, s in pairs
         ]
-        self.wait(handles, [s for _ in self.tables for s in range(num_shards)], "creating tables")
+        created = self.wait(handles, [s for _, s in pairs], "creating tables")
+        self._segments: list[Segment] = []
+        for (t, s), (lo, hi, handle) in zip(pairs, created):
+            if handle is not None:
+                self._map_rows(t, s, lo, hi, handle)
         for t, (_, layer) in zip(self.tables, new):
             layer.__class__ = (
                 _ShardedBag if isinstance(layer, torch.nn.EmbeddingBag) else (_ShardedEmbedding)
@@ -271,6 +291,23 @@ class ShardedTables:
             layer._ps_table = t.ref  # type: ignore[assignment]
             _LIVE[t.ref] = t
         self._weights = {id(t.weight): t for t in self.tables}
+
+    def _map_rows(self, t: Table, shard: int, lo: int, hi: int, handle: SegmentHandle) -> None:
+        """Maps a shard's rows of ``t`` for reading (by message where that fails)."""
+        try:
+            segment = Segment.open(handle)
+        except OSError as e:
+            logger.warning(
+                "rank %d: rows of %r on shard %d are pulled by message (%s).",
+                self.rank,
+                t.name,
+                shard,
+                e,
+            )
+            return
+        self._segments.append(segment)
+        rows = segment.view(0, "float32", (hi - lo) * t.spec.dim).reshape(hi - lo, t.spec.dim)
+        t.local[shard] = (lo, rows)
 
     # --- the step -------------------------------------------------------------------
     def owns(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -342,72 +379,7 @@ class ShardedTables:
     def close(self) -> None:
         for t in self.tables:
             _LIVE.pop(t.ref, None)
-
-    # --- checkpoints ------------------------------------------------------------------
-    def save(self, path: Path) -> None:
-        """Writes every table of the model under ``path``, one shard's slice at a time."""
-        self.flush()
-        for t in self.tables:
-            folder = path / f"model{self.model_id}" / f"table{t.ref.index}"
-            folder.mkdir(parents=True, exist_ok=True)
-            meta: dict[str, Any] = {"rows": t.spec.rows, "dim": t.spec.dim, "name": t.name}
-            for s in range(self.num_shards):
-                lo, hi = int(t.bounds[s]), int(t.bounds[s + 1])
-                for a in range(lo, hi, _SLICE_ROWS):
-                    b = min(a + _SLICE_ROWS, hi)
-                    call = self.transport.call(s, "table_read", self.model_id, t.ref.index, a, b)
-                    (part,) = self.wait([call], [s], f"reading rows of {t.name!r}")
-                    np.savez(folder / f"rows{a:012d}.npz", weight=part["weight"], **part["state"])
-                    meta.update(optimizer=part["optimizer"], steps=part["steps"])
-            (folder / "table.json").write_text(json.dumps(meta))
-
-    def load(self, path: Path) -> None:
-        """Restores what :meth:`save` wrote (rank 0 sends, every rank waits), onto
-        any number of shards."""
-        self.flush()
-        self._generation += 1
-        if self.rank == 0:
-            for t in self.tables:
-                self._load_table(t, path / f"model{self.model_id}" / f"table{t.ref.index}")
-            calls = [
-                self.transport.call(s, "table_loaded", self.model_id, self._generation)
-                for s in range(self.num_shards)
-            ]
-            self.wait(calls, list(range(self.num_shards)), "restoring tables")
-        calls = [
-            self.transport.call(s, "table_wait_loaded", self.model_id, self._generation)
-            for s in range(self.num_shards)
-        ]
-        self.wait(calls, list(range(self.num_shards)), "waiting for the tables' restore")
-
-    def _load_table(self, t: _Table, folder: Path) -> None:
-        meta = json.loads((folder / "table.json").read_text())
-        if (meta["rows"], meta["dim"]) != (t.spec.rows, t.spec.dim):
-            raise ValueError(
-                f"{folder} holds a table of {meta['rows']} x {meta['dim']}, but "
-                f"{t.name!r} is {t.spec.rows} x {t.spec.dim}: a checkpoint of another model."
-            )
-        for file in sorted(folder.glob("rows*.npz")):
-            lo = int(file.stem.removeprefix("rows"))
-            with np.load(file) as data:
-                weight = data["weight"]
-                state = {k: data[k] for k in data.files if k != "weight"}
-            hi = lo + len(weight)
-            shards = [
-                s for s in range(self.num_shards) if t.bounds[s] < hi and lo < t.bounds[s + 1]
-            ]
-            calls = [
-                self.transport.call(
-                    s,
-                    "table_write",
-                    self.model_id,
-                    t.ref.index,
-                    lo,
-                    weight,
-                    state,
-                    meta["optimizer"],
-                    meta["steps"],
-                )
-                for s in shards
-            ]
-            self.wait(calls, shards, f"restoring rows of {t.name!r}")
+            t.local.clear()
+        segments, self._segments = self._segments, []
+        for segment in segments:
+            segment.close()

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ray_ps_plugin._table_store import TableOptimizer
+from ray_ps_plugin._table_optim import TableOptimizer
 from ray_ps_plugin._types import Mode
 
 __all__ = [

@@ -23,29 +23,29 @@ NumPy only: a sync shard process stays free of torch.
 from __future__ import annotations
 
 import asyncio
-import math
-import mmap
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
 from ray_ps_plugin._rows import row_bounds
+from ray_ps_plugin._shm import Segment, SegmentHandle
+from ray_ps_plugin._shm import available as shm_available
+from ray_ps_plugin._table_optim import TableOptimizer, apply_step, new_state
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "INIT_BLOCK_ROWS",
-    "OPTIMIZERS",
     "PushEntry",
-    "TableOptimizer",
     "TableSpec",
     "TableStore",
     "init_rows",
 ]
 
-TableOptimizer = Literal["sgd", "adagrad", "sparse_adam"]
-OPTIMIZERS: tuple[TableOptimizer, ...] = ("sgd", "adagrad", "sparse_adam")
 #: Rows drawn from one random stream at initialisation: the values of a row depend
 #: on the seed, the table and its block of this many rows, never on the shards.
 INIT_BLOCK_ROWS = 1 << 16
@@ -53,12 +53,6 @@ INIT_BLOCK_ROWS = 1 << 16
 #: touched)``; ``touched``: whether the worker's backward reached the table at all
 #: (its rows may all be another shard's), as a torch gradient that is not ``None``.
 PushEntry = tuple[int, int, np.ndarray, np.ndarray, TableOptimizer, dict[str, float], bool]
-#: The state arrays each optimizer keeps per row, as torch names them.
-STATE_NAMES: dict[TableOptimizer, tuple[str, ...]] = {
-    "sgd": (),
-    "adagrad": ("sum",),
-    "sparse_adam": ("exp_avg", "exp_avg_sq"),
-}
 
 
 @dataclass(frozen=True)
@@ -83,10 +77,14 @@ class TableSpec:
     sync: bool
 
 
-def init_rows(spec: TableSpec, table: int, lo: int, hi: int) -> np.ndarray:
-    """The initial values of rows ``[lo, hi)`` of table ``table``: standard normal,
-    as ``nn.Embedding.reset_parameters`` draws them, the padding row zero."""
-    out = np.empty((hi - lo, spec.dim), np.float32)
+def init_rows(
+    spec: TableSpec, table: int, lo: int, hi: int, out: np.ndarray | None = None
+) -> np.ndarray:
+    """The initial values of rows ``[lo, hi)`` of table ``table`` (into ``out`` if
+    given): standard normal, as ``nn.Embedding.reset_parameters`` draws them, the
+    padding row zero."""
+    if out is None:
+        out = np.empty((hi - lo, spec.dim), np.float32)
     first = lo - lo % INIT_BLOCK_ROWS
     for start in range(first, hi, INIT_BLOCK_ROWS):
         stop = min(start + INIT_BLOCK_ROWS, spec.rows)
@@ -108,6 +106,9 @@ class _Table:
     hi: int
     num_workers: int
     weight: np.ndarray
+    # The shared memory ``weight`` lies in, which workers of this node read rows
+    # from directly (None: private memory, rows go by message).
+    segment: Segment | None = None
     optimizer: TableOptimizer | None = None
     state: dict[str, np.ndarray] = field(default_factory=dict)
     steps: int = 0  # updates applied (torch's per-parameter ``step``)
@@ -125,25 +126,15 @@ class _Table:
         return min(active) if active else max(self.clocks, default=0)
 
 
-def _new_state(t: _Table, optimizer: TableOptimizer) -> dict[str, np.ndarray]:
-    """Zeroed state arrays of a table's rows, in memory the kernel maps on first
-    touch: only the pages of rows trained so far cost memory (SparseAdam's two
-    arrays would otherwise triple a shard's footprint at its first step)."""
-    return {n: _lazy_zeros(t.weight.shape, t.weight.dtype) for n in STATE_NAMES[optimizer]}
-
-
-def _lazy_zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """A zeroed array whose pages are mapped when first written, in 4 KiB pages.
-
-    Not ``np.zeros``: NumPy asks for transparent huge pages on large arrays, and then
-    the first touch of one row maps and zeroes 2 MiB: steps slow down and the shard
-    soon holds most of the state arrays.
-    """
-    nbytes = max(1, int(np.prod(shape)) * np.dtype(dtype).itemsize)
-    mapping = mmap.mmap(-1, nbytes)
-    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux
-        mapping.madvise(mmap.MADV_NOHUGEPAGE)
-    return np.frombuffer(mapping, dtype, count=int(np.prod(shape))).reshape(shape)
+def _shared_rows(rows: int, dim: int) -> Segment | None:
+    """A segment for ``rows`` fp32 rows, or ``None`` where the host has none."""
+    if not shm_available():
+        return None
+    try:
+        return Segment.create(rows * dim * 4)
+    except OSError as e:
+        logger.warning("no shared memory for a table's rows (%s): rows go by message", e)
+        return None
 
 
 class TableStore:
@@ -162,9 +153,12 @@ class TableStore:
         self._tables: dict[tuple[int, int], _Table] = {}
 
     # --- set-up --------------------------------------------------------------------
-    def create(self, model: int, table: int, spec: TableSpec, num_shards: int) -> tuple[int, int]:
+    def create(
+        self, model: int, table: int, spec: TableSpec, num_shards: int, shared: bool = False
+    ) -> tuple[int, int]:
         """Materialises this shard's rows of a table, split over ``num_shards``
-        (idempotent: every worker asks); returns the row range held."""
+        (idempotent: every worker asks); returns the row range held. ``shared``: in
+        a shared-memory segment (see :meth:`segment`), where the host allows one."""
         key = (model, table)
         if key in self._tables:
             if self._tables[key].spec != spec:
@@ -176,10 +170,21 @@ class TableStore:
             return self._tables[key].lo, self._tables[key].hi
         bounds = row_bounds(spec.rows, num_shards)
         lo, hi = bounds[self.shard_index], bounds[self.shard_index + 1]
-        t = _Table(spec, lo, hi, self.num_workers, init_rows(spec, table, lo, hi))
+        segment = _shared_rows(hi - lo, spec.dim) if shared else None
+        if segment is None:
+            weight = init_rows(spec, table, lo, hi)
+        else:
+            view = segment.view(0, "float32", (hi - lo) * spec.dim)
+            weight = init_rows(spec, table, lo, hi, out=view.reshape(hi - lo, spec.dim))
+        t = _Table(spec, lo, hi, self.num_workers, weight, segment)
         t.clocks = [0] * self.num_workers
         self._tables[key] = t
         return lo, hi
+
+    def segment(self, model: int, table: int) -> SegmentHandle | None:
+        """Where a worker of this node maps the table's rows, or ``None``."""
+        t = self._table(model, table)
+        return None if t.segment is None else t.segment.handle
 
     def _table(self, model: int, table: int) -> _Table:
         try:
@@ -277,7 +282,7 @@ class TableStore:
             )
         if t.optimizer is None:
             t.optimizer = optimizer
-            t.state = _new_state(t, optimizer)
+            t.state = new_state(t.weight, optimizer)
             initial = hyper.get("initial_accumulator_value", 0.0)
             if optimizer == "adagrad" and initial:
                 t.state["sum"].fill(initial)
@@ -334,24 +339,7 @@ class TableStore:
             rows, grads = rows[keep], grads[keep]
         if not len(rows):
             return
-        lr = hyper["lr"]
-        if hyper.get("maximize"):
-            grads = -grads
-        if t.optimizer == "sgd":
-            t.weight[rows] -= lr * grads
-        elif t.optimizer == "adagrad":
-            clr = lr / (1 + (t.steps - 1) * hyper.get("lr_decay", 0.0))
-            acc = t.state["sum"]
-            acc[rows] += grads * grads
-            t.weight[rows] -= clr * grads / (np.sqrt(acc[rows]) + hyper["eps"])
-        else:  # sparse_adam, as torch's SparseAdam
-            beta1, beta2, eps = hyper["beta1"], hyper["beta2"], hyper["eps"]
-            m, v = t.state["exp_avg"], t.state["exp_avg_sq"]
-            m_rows = m[rows] + (grads - m[rows]) * (1 - beta1)
-            v_rows = v[rows] + (grads * grads - v[rows]) * (1 - beta2)
-            m[rows], v[rows] = m_rows, v_rows
-            step_size = lr * math.sqrt(1 - beta2**t.steps) / (1 - beta1**t.steps)
-            t.weight[rows] -= step_size * m_rows / (np.sqrt(v_rows) + eps)
+        apply_step(t.optimizer, t.weight, t.state, rows, grads, hyper, t.steps)
 
     async def finish(self, model: int, rank: int) -> None:
         """A worker is done: no table waits for it any more."""
@@ -410,7 +398,7 @@ class TableStore:
             return
         if optimizer is not None and t.optimizer is None:
             t.optimizer = optimizer
-            t.state = _new_state(t, optimizer)
+            t.state = new_state(t.weight, optimizer)
         t.weight[a - t.lo : b - t.lo] = weight[a - lo : b - lo]
         for name, values in state.items():
             if name in t.state:

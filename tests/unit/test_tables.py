@@ -14,6 +14,7 @@ from ray_ps_plugin import _table_client, _table_store, _torch_compat
 from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
 from ray_ps_plugin._param.shard import ParamShard
 from ray_ps_plugin._rows import row_bounds
+from ray_ps_plugin._table_checkpoint import load_tables, save_tables
 from ray_ps_plugin._table_client import ShardedTables
 from ray_ps_plugin._table_layers import check_tables, optimizer_step_spec, skipped_in_apply
 from ray_ps_plugin._table_store import TableSpec, TableStore, init_rows
@@ -631,12 +632,12 @@ def _read(transport, shards, index, rows):
     }
 
 
-def _build(loop, shards, seed, world=1, rank=0, servers=None):
+def _build(loop, shards, seed, world=1, rank=0, servers=None, local=()):
     servers = servers or [ParamShard(s, world, None, 5.0) for s in range(shards)]
     transport = _TableTransport(loop, servers)
     module = _Tables("meta")
     settings = Settings(mode="sync", ps_timeout_s=5.0)
-    tables = ShardedTables(0, module, transport, settings, rank, world, shards, seed)
+    tables = ShardedTables(0, module, transport, settings, rank, world, shards, seed, local)
     return module, transport, tables
 
 
@@ -656,9 +657,13 @@ def _assert_rows(transport, shards, replica, steps):
         np.testing.assert_allclose(got["weight"], layer.weight.detach().numpy(), atol=1e-5)
 
 
-def test_sharded_layers_look_up_step_and_checkpoint_as_a_real_replica(loop, tmp_path):
-    module, transport, tables = _build(loop, 2, seed=3)
+@pytest.mark.parametrize("local", [(), (0, 1)], ids=["by_message", "shared_memory"])
+def test_sharded_layers_look_up_step_and_checkpoint_as_a_real_replica(loop, tmp_path, local):
+    """By message, or with both shards on the worker's node: rows read from their
+    shared memory after the step's push returned."""
+    module, transport, tables = _build(loop, 2, seed=3, local=local)
     try:
+        assert sorted(s for t in tables.tables for s in t.local) == sorted(local * 2)
         assert [type(m).__name__ for m in (module.bag, module.emb)] == [
             "_ShardedBag",
             "_ShardedEmbedding",
@@ -709,14 +714,16 @@ def test_sharded_layers_look_up_step_and_checkpoint_as_a_real_replica(loop, tmp_
         for g, w in zip(module(*_INPUTS[2]), replica(*_INPUTS[2])):
             torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
 
-        tables.save(tmp_path)
+        pulls = sum(1 for c in transport.calls if c[0] == "table_pull")
+        assert (pulls == 0) if local else (pulls > 0)
+        save_tables(tables, tmp_path)
         saved = [_read(transport, 2, i, 20) for i in range(2)]
     finally:
         tables.close()
 
     module, transport, tables = _build(loop, 3, seed=77)  # other initial rows
     try:
-        tables.load(tmp_path)
+        load_tables(tables, tmp_path)
         for i in range(2):
             got = _read(transport, 3, i, 20)
             np.testing.assert_array_equal(got["weight"], saved[i]["weight"])
@@ -780,12 +787,9 @@ def test_two_sync_workers_tables_step_as_ddp_averaging_their_gradients(loop):
 
 def test_a_table_no_backward_reached_keeps_torchs_step_count(loop):
     """SparseAdam skips a parameter whose grad is None (zero_grad's default): its
-    ``step`` does not advance, so the next bias correction is step 2, not 3.
-
-    Fails: ``ShardedTables.before_step`` sends every table an entry, empty when no
-    backward reached it (``_Table.step``), and ``TableStore._apply`` counts an
-    update without rows (``t.steps += 1``), so SparseAdam's bias correction and
-    Adagrad's ``lr_decay`` run ahead of torch's for that table from then on."""
+    ``step`` does not advance, so the next bias correction is step 2, not 3. Every
+    table still gets a push each step (sync keeps its clocks in step), marked
+    untouched, and the shards count a step only when some worker touched it."""
     module, transport, tables = _build(loop, 2, seed=3)
     try:
         replica = _replica(tables)
@@ -837,12 +841,8 @@ def test_zero_grad_between_a_backward_and_the_step_keeps_the_rows_as_documented(
 
 def test_a_step_refused_for_one_table_leaves_every_table_as_it_was(loop):
     """The second group's momentum is refused; once it is fixed, the next step of the
-    first table must still be its update 1, with the gradients kept so far.
-
-    Fails: ``before_step`` calls ``_Table.step`` group by group; the first table's
-    step drains its kept gradients and advances its clock before the second group's
-    ``optimizer_step_spec`` raises, and nothing is sent, so the next push is update 2
-    after 0 (``ShardProtocolError``) and the first step's gradients are lost."""
+    first table must still be its update 1, with the gradients kept so far: every
+    table's optimizer is checked before any table gives up its gradients."""
     module, _, tables = _build(loop, 2, seed=3)
     try:
         replica = _replica(tables)

@@ -1,0 +1,94 @@
+"""Checkpoints of sharded embedding tables, one shard's slice at a time.
+
+:func:`save_tables` (rank 0) reads each shard's rows with their optimizer state in
+slices and writes one ``.npz`` file per slice, so a worker never holds a whole
+table; :func:`load_tables` sends each file's rows to every shard whose block they
+overlap, so a restore works onto any number of shards. Layout under the
+checkpoint's folder: ``model<M>/table<T>/table.json`` (shape, optimizer, step
+count) and ``rows<first row>.npz`` (``weight`` and the optimizer's state arrays).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ray_ps_plugin._table_client import ShardedTables, Table
+
+__all__ = ["load_tables", "save_tables"]
+
+#: Rows per call when a checkpoint reads or writes a table: a worker holds at most
+#: this many rows of one table at a time (64 MiB of fp32 rows of 64 values).
+_SLICE_ROWS = 1 << 18
+
+
+def save_tables(tables: ShardedTables, path: Path) -> None:
+    """Writes every table of the model under ``path``, one shard's slice at a time."""
+    tables.flush()
+    for t in tables.tables:
+        folder = path / f"model{tables.model_id}" / f"table{t.ref.index}"
+        folder.mkdir(parents=True, exist_ok=True)
+        meta: dict[str, Any] = {"rows": t.spec.rows, "dim": t.spec.dim, "name": t.name}
+        for s in range(tables.num_shards):
+            lo, hi = int(t.bounds[s]), int(t.bounds[s + 1])
+            for a in range(lo, hi, _SLICE_ROWS):
+                b = min(a + _SLICE_ROWS, hi)
+                call = tables.transport.call(s, "table_read", tables.model_id, t.ref.index, a, b)
+                (part,) = tables.wait([call], [s], f"reading rows of {t.name!r}")
+                np.savez(folder / f"rows{a:012d}.npz", weight=part["weight"], **part["state"])
+                meta.update(optimizer=part["optimizer"], steps=part["steps"])
+        (folder / "table.json").write_text(json.dumps(meta))
+
+
+def load_tables(tables: ShardedTables, path: Path) -> None:
+    """Restores what :func:`save_tables` wrote (rank 0 sends, every rank waits),
+    onto any number of shards."""
+    tables.flush()
+    tables.generation += 1
+    if tables.rank == 0:
+        for t in tables.tables:
+            _load_table(tables, t, path / f"model{tables.model_id}" / f"table{t.ref.index}")
+        calls = [
+            tables.transport.call(s, "table_loaded", tables.model_id, tables.generation)
+            for s in range(tables.num_shards)
+        ]
+        tables.wait(calls, list(range(tables.num_shards)), "restoring tables")
+    calls = [
+        tables.transport.call(s, "table_wait_loaded", tables.model_id, tables.generation)
+        for s in range(tables.num_shards)
+    ]
+    tables.wait(calls, list(range(tables.num_shards)), "waiting for the tables' restore")
+
+
+def _load_table(tables: ShardedTables, t: Table, folder: Path) -> None:
+    meta = json.loads((folder / "table.json").read_text())
+    if (meta["rows"], meta["dim"]) != (t.spec.rows, t.spec.dim):
+        raise ValueError(
+            f"{folder} holds a table of {meta['rows']} x {meta['dim']}, but "
+            f"{t.name!r} is {t.spec.rows} x {t.spec.dim}: a checkpoint of another model."
+        )
+    for file in sorted(folder.glob("rows*.npz")):
+        lo = int(file.stem.removeprefix("rows"))
+        with np.load(file) as data:
+            weight = data["weight"]
+            state = {k: data[k] for k in data.files if k != "weight"}
+        hi = lo + len(weight)
+        shards = [s for s in range(tables.num_shards) if t.bounds[s] < hi and lo < t.bounds[s + 1]]
+        calls = [
+            tables.transport.call(
+                s,
+                "table_write",
+                tables.model_id,
+                t.ref.index,
+                lo,
+                weight,
+                state,
+                meta["optimizer"],
+                meta["steps"],
+            )
+            for s in shards
+        ]
+        tables.wait(calls, shards, f"restoring rows of {t.name!r}")
