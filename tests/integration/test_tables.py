@@ -24,9 +24,16 @@ pytestmark = pytest.mark.usefixtures("ray_cluster")
 STEPS = 20
 SCALING = ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5})
 MODES = {"ddp": {"strategy": "ddp"}, "sync": {"mode": "sync"}, "async": {"mode": "async"}}
+# One worker per node: each reads its own node's shard from shared memory and asks
+# the other node's shard by message.
+TWO_NODES = ScalingConfig(
+    num_workers=2, resources_per_worker={"CPU": 0.5}, placement_strategy="STRICT_SPREAD"
+)
 
 
-def _fit(storage: Path, name: str, mode: str, **config: Any) -> dict[str, Any]:
+def _fit(
+    storage: Path, name: str, mode: str, scaling: ScalingConfig = SCALING, **config: Any
+) -> dict[str, Any]:
     crash = "crash_after" in config
     if crash:
         marker_dir = storage / f"{name}-markers"
@@ -37,7 +44,7 @@ def _fit(storage: Path, name: str, mode: str, **config: Any) -> dict[str, Any]:
         train_loop_config={"steps": STEPS, "optimizer": "sparse_adam", "meta": mode != "ddp"}
         | config,
         ps_config=PSConfig(ps_timeout_s=20, **MODES[mode]),
-        scaling_config=SCALING,
+        scaling_config=scaling,
         run_config=RunConfig(
             storage_path=str(storage),
             name=name,
@@ -58,6 +65,8 @@ def runs(ray_cluster, tmp_path_factory):
         if name not in done:
             if name == "crash":
                 done[name] = _fit(storage, name, "sync", every=5, crash_after=12)
+            elif name == "two_nodes":
+                done[name] = _fit(storage, name, "sync", TWO_NODES)
             else:
                 done[name] = _fit(storage, name, name)
         return done[name]
@@ -120,3 +129,9 @@ def test_a_lightning_loop_trains_sharded_tables_as_ddp_trains_replicated_ones(tm
             rows[mode] = tl.tables_from_checkpoint(Path(d))
     for name in rows["ddp"]:
         assert np.abs(rows["ddp"][name] - rows["sync"][name]).max() <= 1e-5, name
+
+
+def test_across_two_nodes_sync_still_ends_with_the_parameters_of_ddp(runs):
+    """Workers on two nodes: rows of the node's own shard from shared memory, the
+    other node's by message, and the same parameters as DDP."""
+    assert _max_diff(runs("ddp"), runs("two_nodes")) <= 1e-5
