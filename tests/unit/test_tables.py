@@ -650,6 +650,12 @@ def _replica(tables):
     return replica
 
 
+def _assert_same_lookups(module, replica, inputs):
+    """The sharded layers' outputs equal the replica's, layer by layer."""
+    for got, want in zip(module(*inputs), replica(*inputs)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
 def _assert_rows(transport, shards, replica, steps):
     for i, layer in enumerate((replica.bag, replica.emb)):
         got = _read(transport, shards, i, 20)
@@ -711,8 +717,7 @@ def test_sharded_layers_look_up_step_and_checkpoint_as_a_real_replica(loop, tmp_
             got = _read(transport, 2, i, 20)
             assert got["steps"] == {1}
             np.testing.assert_allclose(got["weight"], layer.weight.detach().numpy(), atol=1e-5)
-        for g, w in zip(module(*_INPUTS[2]), replica(*_INPUTS[2])):
-            torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
+        _assert_same_lookups(module, replica, _INPUTS[2])
 
         pulls = sum(1 for c in transport.calls if c[0] == "table_pull")
         assert (pulls == 0) if local else (pulls > 0)
@@ -731,8 +736,7 @@ def test_sharded_layers_look_up_step_and_checkpoint_as_a_real_replica(loop, tmp_
             for name, values in saved[i]["state"].items():
                 np.testing.assert_array_equal(got["state"][name], values)
             assert got["steps"] == {1}
-        for g, w in zip(module(*_INPUTS[2]), replica(*_INPUTS[2])):
-            torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
+        _assert_same_lookups(module, replica, _INPUTS[2])
         # The restored step count and moments carry on as the replica's.
         opt = torch.optim.SparseAdam([module.bag.weight, module.emb.weight], lr=0.01)
         ref_opt.zero_grad()
@@ -778,8 +782,7 @@ def test_two_sync_workers_tables_step_as_ddp_averaging_their_gradients(loop):
                 tables.flush()
             _assert_rows(workers[0][1], 2, replica, step + 1)
         module, _, _ = use(1)
-        for g, w in zip(module(*_INPUTS[0]), replica(*_INPUTS[0])):
-            torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
+        _assert_same_lookups(module, replica, _INPUTS[0])
     finally:
         for _, _, tables in workers:
             tables.close()
@@ -833,8 +836,7 @@ def test_zero_grad_between_a_backward_and_the_step_keeps_the_rows_as_documented(
         tables.before_step(opt)
         ref_opt.step()
         tables.flush()
-        for g, w in zip(module(*_INPUTS[0]), replica(*_INPUTS[0])):
-            torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
+        _assert_same_lookups(module, replica, _INPUTS[0])
     finally:
         tables.close()
 
@@ -857,7 +859,6 @@ def test_a_step_refused_for_one_table_leaves_every_table_as_it_was(loop):
         tables.before_step(opt)
         ref_opt.step()
         tables.flush()
-        for g, w in zip(module(*_INPUTS[0]), replica(*_INPUTS[0])):
-            torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
+        _assert_same_lookups(module, replica, _INPUTS[0])
     finally:
         tables.close()
