@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .fmt import _provenance, _table, _x
-from .results import RenderError, _grid, _point
+from .results import _grid, _point
 
 
 def _ms(row: dict[str, Any]) -> str:
@@ -50,26 +50,3 @@ def cost_shm_table() -> str:
         "peak RSS rank 0 (MB): DDP / sync / async",
     ]
     return _provenance(f, "cost_curves", f"{f}.csv") + "\n\n" + _table(header, rows)
-
-
-def curve_ratio(file: str, variant: str, params_m: str, workers: str) -> str:
-    """One point's step time over DDP's, e.g. ``1.7×``."""
-    return _x(_vs_ddp(file, variant, float(params_m) * 1e6, int(workers)), 1)
-
-
-def curve_range(file: str, variant: str, *scope: str) -> str:
-    """Smallest to largest ratio to DDP over every multi-worker point, e.g.
-    ``1.7–7.1×``; with ``but-worst``, over every point but the slowest one, which is
-    then named, e.g. ``1.7–2.5× (7.1× at 50 M parameters with 4 workers)``."""
-    if scope not in ((), ("but-worst",)):
-        raise RenderError(f"curve_range takes an optional 'but-worst', got {scope}")
-    points = [(_vs_ddp(file, variant, p, w), p, w) for p, w in _grid(file) if w > 1]
-    points.sort()
-    if scope:
-        worst = points.pop()
-        low, high = points[0][0], points[-1][0]
-        return (
-            f"{low:.1f}–{_x(high, 1)} ({_x(worst[0], 1)} at {worst[1] / 1e6:.0f} M "
-            f"parameters with {worst[2]} workers)"
-        )
-    return f"{points[0][0]:.1f}–{_x(points[-1][0], 1)}"

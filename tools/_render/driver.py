@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .chaos_soak import chaos_table
-from .cost_curves import cost_shm_table, curve_range, curve_ratio
+from .cost_curves import cost_shm_table
 from .diloco import diloco_digits_table, diloco_points, net_bytes_fraction
 from .net import (
     net_cost_table,
@@ -44,7 +44,7 @@ from .recsys import (
     recsys_table,
     recsys_versus,
 )
-from .resnet18 import resnet_ratio, resnet_table
+from .resnet18 import resnet_table
 from .results import ROOT, RenderError
 from .step_time import round_ms, step_bytes, step_calls, step_compare, step_ratio, step_time_table
 from .straggler import (
@@ -55,9 +55,7 @@ from .straggler import (
     straggler_ratio,
     straggler_rounds,
     straggler_sleep,
-    straggler_staleness,
     straggler_step_compare,
-    straggler_step_ratio,
     straggler_table,
 )
 from .wire_server import wire_loop_cpu, wire_server_table
@@ -81,18 +79,13 @@ RENDERERS: dict[str, Callable[..., str]] = {
         straggler_ratio,
         straggler_compare,
         straggler_phase_table,
-        straggler_step_ratio,
         straggler_step_compare,
-        straggler_staleness,
         straggler_sleep,
         straggler_rounds,
         digits_table,
         digits_reach,
         cost_shm_table,
-        curve_ratio,
-        curve_range,
         resnet_table,
-        resnet_ratio,
         net_table,
         net_ratio,
         net_model_table,

@@ -41,8 +41,3 @@ def resnet_table() -> str:
         else ""
     )
     return where + "Raw data: `benchmarks/results/resnet18.json`.\n\n" + _table(header, rows)
-
-
-def resnet_ratio(variant: str) -> str:
-    """Throughput over DDP's on ResNet-18, e.g. ``1.21×``."""
-    return _x(_resnet(variant)["samples_per_s"] / _resnet("ddp")["samples_per_s"])

@@ -80,16 +80,6 @@ def straggler_step_compare(key: str) -> str:
     return f"{_x(ratio)} DDP's step time ({_faster_or_slower(ratio, lower_wins=True)})"
 
 
-def straggler_step_ratio(key: str) -> str:
-    """Rank 0's median step over DDP's rank 0, e.g. ``0.35×``."""
-    return _x(read_json("straggler")["rank0_step_ratio_to_ddp"][key])
-
-
-def straggler_staleness(key: str, rank: str) -> str:
-    """A rank's largest clock gap in the last round."""
-    return str(read_json("straggler")["rounds"][-1][key]["staleness_max"][int(rank)])
-
-
 def straggler_sleep() -> str:
     """How long the straggler sleeps after every step."""
     return f"{read_json('straggler')['args']['sleep_ms']:g} ms"
