@@ -34,7 +34,7 @@ from ray_ps_plugin._rows import row_bounds
 from ray_ps_plugin._shm import Segment, SegmentHandle
 from ray_ps_plugin._table_layers import Layer, is_sharded, meta_tables, optimizer_step_spec
 from ray_ps_plugin._table_store import PushEntry, TableSpec
-from ray_ps_plugin._transport import Transport, wait_all
+from ray_ps_plugin._transport import Handle, Transport, wait_all
 from ray_ps_plugin._types import RunSettings, staleness_bound
 
 __all__ = ["ShardedTables", "Table", "TableRef"]
@@ -254,7 +254,7 @@ class ShardedTables:
         self.stats = {"bytes_pulled": 0, "bytes_pushed": 0, "pushes": 0}
         self._error: BaseException | None = None
         self.generation = 0  # restores of the tables so far (load_tables)
-        self._inflight: list[Any] = []  # the last step's push, one call per shard
+        self._inflight: list[Handle[Any]] = []  # the last step's push, one call per shard
         self.tables: list[Table] = []
         staleness = 0 if settings.mode == "sync" else staleness_bound(settings)
         # A layer already sharded (the same module wrapped again, as a second
@@ -339,7 +339,7 @@ class ShardedTables:
         pushed = sum(e[2].nbytes + e[3].nbytes for entries in per_shard for e in entries)
         self.count(pushed=pushed, pushes=len(self._inflight))
 
-    def wait(self, handles: Sequence[Any], shards: Sequence[int], what: str) -> list[Any]:
+    def wait(self, handles: Sequence[Handle[Any]], shards: Sequence[int], what: str) -> list[Any]:
         try:
             return wait_all(
                 self.transport,

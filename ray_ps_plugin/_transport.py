@@ -3,13 +3,14 @@
 A worker makes non-blocking calls to shard actors (:meth:`Transport.call`) and later
 waits for their results with a bound (:meth:`Transport.wait`). A sync run across
 nodes also has a direct TCP path to the shards (:attr:`Transport.direct`, one per
-worker process, shared by its models); its pushes are waited for with the same
-:meth:`Transport.wait`. Shards on the worker's own node can also be reached through
-shared memory: a :class:`Lane` holds the worker's input segment and the shard's
-output segments, and only a small notice of what was written travels separately (a
-Ray call, or a frame on the direct path where the run has one). Unit tests
-substitute a fake transport that runs real shard objects on an in-process event
-loop.
+worker process, shared by its models). Every path hands back the same kind of
+handle, a :data:`Handle` (``concurrent.futures.Future``), so one wait and one error
+mapping (:func:`wait_all`) serve them all. Shards on the worker's own node can
+also be reached through shared memory: a :class:`Lane` holds the worker's input
+segment and the shard's output segments, and only a small notice of what was
+written travels separately (a Ray call, or a frame on the direct path where the run
+has one). Unit tests substitute a fake transport that runs real shard objects on an
+in-process event loop.
 """
 
 from __future__ import annotations
@@ -26,7 +27,16 @@ from ray_ps_plugin._errors import PSError, PSTimeoutError, WaitTimeout
 from ray_ps_plugin._ray_compat import ping_actor
 from ray_ps_plugin._shm import Segment, SegmentHandle
 
-__all__ = ["DirectPath", "Lane", "RayTransport", "Transport", "open_lanes", "wait_all"]
+__all__ = [
+    "DirectPath",
+    "Handle",
+    "Lane",
+    "RayTransport",
+    "Transport",
+    "open_lanes",
+    "wait_all",
+    "wait_handles",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -34,12 +44,15 @@ logger = logging.getLogger(__name__)
 # shard that answers within this is alive (it was waiting for someone else).
 PING_TIMEOUT_S = 5.0
 
+#: A call or push in flight, on any path: a Ray call (through ``ObjectRef.future``),
+#: a push on the direct path, or a fake's call in unit tests.
+Handle = concurrent.futures.Future
+
 
 class DirectPath(Protocol):
     """The sync mode's TCP path from a worker to the shards (``_sync.wire.WireStreams``).
 
-    Pushes return ``concurrent.futures.Future`` objects, which
-    :meth:`Transport.wait` accepts beside Ray calls.
+    Pushes return :data:`Handle` objects, waited for like Ray calls.
     """
 
     def push(
@@ -52,7 +65,7 @@ class DirectPath(Protocol):
         dtype: str,
         payload: Any,
         into: Any = None,
-    ) -> concurrent.futures.Future[Any]:
+    ) -> Handle[Any]:
         """Sends one chunk; the future holds the answer's bytes."""
         ...
 
@@ -64,13 +77,13 @@ class DirectPath(Protocol):
         source: int,
         dtype: str,
         chunks: Sequence[tuple[int, int, int | None]],
-    ) -> concurrent.futures.Future[Any]:
+    ) -> Handle[Any]:
         """Names chunks left in shared memory for a shard of this node."""
         ...
 
     def push_rows(
         self, shard: int, model: int, step: int, source: int, payload: Any
-    ) -> concurrent.futures.Future[Any]:
+    ) -> Handle[Any]:
         """Sends a step's packed sparse rows; the future holds the packed answer."""
         ...
 
@@ -93,7 +106,7 @@ class Transport(Protocol):
 
     direct: DirectPath | None
 
-    def call(self, shard: int, method: str, *args: Any) -> Any:
+    def call(self, shard: int, method: str, *args: Any) -> Handle[Any]:
         """Starts ``method(*args)`` on a shard; returns a handle to its result."""
         ...
 
@@ -103,11 +116,11 @@ class Transport(Protocol):
         """Connects through shared memory (blocking); returns the output segments."""
         ...
 
-    def done(self, handles: Sequence[Any]) -> bool:
+    def done(self, handles: Sequence[Handle[Any]]) -> bool:
         """Whether every handle's result is available, without waiting."""
         ...
 
-    def wait(self, handles: Sequence[Any], timeout_s: float) -> list[Any]:
+    def wait(self, handles: Sequence[Handle[Any]], timeout_s: float) -> list[Any]:
         """Waits for all results; raises ``WaitTimeout`` after ``timeout_s``."""
         ...
 
@@ -120,17 +133,30 @@ class Transport(Protocol):
         ...
 
 
-def _ray_refs(handles: Sequence[Any]) -> list[Any]:
-    """The Ray calls among ``handles``, each once: one call may stand for several
-    chunks (a batched ``push_local``), and ``ray.wait`` refuses repeats."""
-    return list(dict.fromkeys(h for h in handles if not isinstance(h, concurrent.futures.Future)))
+def wait_handles(handles: Sequence[Handle[Any]], timeout_s: float) -> list[Any]:
+    """The results of ``handles``, in order, within ``timeout_s`` in all.
+
+    A handle may appear several times (one call can stand for several chunks).
+
+    Raises:
+        WaitTimeout: A result is not there by the deadline.
+        Exception: The first failed call's error, as the call raised it.
+    """
+    deadline = time.monotonic() + timeout_s
+    out = []
+    for h in handles:
+        try:
+            out.append(h.result(timeout=max(0.0, deadline - time.monotonic())))
+        except concurrent.futures.TimeoutError as e:
+            raise WaitTimeout(f"a call is not answered within {timeout_s:g}s") from e
+    return out
 
 
 class RayTransport:
     """Calls shard actors through Ray; bulk arguments travel in the object store.
 
-    Its waits also accept ``concurrent.futures.Future`` handles: pushes made on the
-    direct path, waited for together with Ray calls.
+    A call's handle is its ``ObjectRef.future()``: it resolves, or raises the error
+    ``ray.get`` would raise, without a ``ray.get`` per handle type.
 
     Args:
         servers: The shard actor handles, in shard order.
@@ -151,10 +177,11 @@ class RayTransport:
         if direct is not None:
             direct.close()
 
-    def call(self, shard: int, method: str, *args: Any) -> Any:
+    def call(self, shard: int, method: str, *args: Any) -> Handle[Any]:
         # Ray serialises the arguments inside .remote(): buffers passed here may be
         # reused as soon as this returns.
-        return getattr(self._servers[shard], method).remote(*args)
+        future: Handle[Any] = getattr(self._servers[shard], method).remote(*args).future()
+        return future
 
     def attach(
         self, shard: int, model: int, rank: int, inputs: SegmentHandle, lo: int, nbytes: int
@@ -164,36 +191,11 @@ class RayTransport:
         call = self._servers[shard].attach.remote(model, rank, inputs, lo, nbytes)
         return tuple(ray.get(call, timeout=self._timeout_s))
 
-    def done(self, handles: Sequence[Any]) -> bool:
-        import ray
+    def done(self, handles: Sequence[Handle[Any]]) -> bool:
+        return all(h.done() for h in handles)
 
-        refs = _ray_refs(handles)
-        if any(isinstance(h, concurrent.futures.Future) and not h.done() for h in handles):
-            return False
-        if not refs:
-            return True  # only direct-path pushes: no Ray call to make
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
-        return len(ready) == len(refs)
-
-    def wait(self, handles: Sequence[Any], timeout_s: float) -> list[Any]:
-        import ray
-
-        deadline = time.monotonic() + timeout_s
-        refs = _ray_refs(handles)
-        try:
-            got = dict(zip(refs, ray.get(refs, timeout=timeout_s))) if refs else {}
-        except ray.exceptions.GetTimeoutError as e:
-            raise WaitTimeout(str(e)) from e
-        out = []
-        for h in handles:
-            if not isinstance(h, concurrent.futures.Future):
-                out.append(got[h])
-                continue
-            try:
-                out.append(h.result(timeout=max(0.0, deadline - time.monotonic())))
-            except concurrent.futures.TimeoutError as e:
-                raise WaitTimeout("a push on the direct data path is not answered") from e
-        return out
+    def wait(self, handles: Sequence[Handle[Any]], timeout_s: float) -> list[Any]:
+        return wait_handles(handles, timeout_s)
 
     def silent(self, shards: Sequence[int], timeout_s: float) -> list[int]:
         import ray
@@ -211,7 +213,7 @@ class RayTransport:
         return [s for s in shards if s not in answered]
 
 
-def _failed(transport: Transport, handles: Sequence[Any]) -> list[int]:
+def _failed(transport: Transport, handles: Sequence[Handle[Any]]) -> list[int]:
     """Indices of the calls that failed (rather than still running)."""
     failed = []
     for i, handle in enumerate(handles):
@@ -226,7 +228,7 @@ def _failed(transport: Transport, handles: Sequence[Any]) -> list[int]:
 
 def wait_all(
     transport: Transport,
-    handles: Sequence[Any],
+    handles: Sequence[Handle[Any]],
     shards: Sequence[int],
     timeout_s: float,
     where: str,

@@ -40,7 +40,7 @@ from ray_ps_plugin._nonfinite import all_finite
 from ray_ps_plugin._param.flat import FlatParams
 from ray_ps_plugin._param.layout import single_dtype, split_bounds
 from ray_ps_plugin._param.shard import Reply
-from ray_ps_plugin._transport import Lane, Transport, open_lanes, wait_all
+from ray_ps_plugin._transport import Handle, Lane, Transport, open_lanes, wait_all
 from ray_ps_plugin._types import staleness_bound
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ __all__ = ["ParamClient"]
 @dataclass
 class _InFlight:
     clock: int
-    handles: list[Any]
+    handles: list[Handle[Any]]
     started: float
 
 
@@ -216,7 +216,7 @@ class ParamClient(ClientBase):
             self._stats.steps = self._clock
         self._export_metrics()
 
-    def _push(self) -> list[Any]:
+    def _push(self) -> list[Handle[Any]]:
         """Sends the delta taken into the push buffers as the next clock's update;
         returns the calls' handles (each answers with its shard's parameters)."""
         self._clock += 1
@@ -397,7 +397,7 @@ class ParamClient(ClientBase):
             self._stats.staleness_max = max(self._stats.staleness_max, gap)
             self._stats.staleness_mean = self._gaps_sum / self._samples
 
-    def _wait_counted(self, handles: list[Any], what: str) -> list[Any]:
+    def _wait_counted(self, handles: list[Handle[Any]], what: str) -> list[Any]:
         """:meth:`_wait`, with the time blocked added to ``PSStats.wait_s``."""
         started = time.perf_counter()
         results = self._wait(handles, what)
@@ -405,7 +405,7 @@ class ParamClient(ClientBase):
             self._stats.wait_s += time.perf_counter() - started
         return results
 
-    def _wait(self, handles: list[Any], what: str) -> list[Any]:
+    def _wait(self, handles: list[Handle[Any]], what: str) -> list[Any]:
         shards = list(range(len(handles)))
         return wait_all(
             self._transport,

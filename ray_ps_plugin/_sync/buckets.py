@@ -27,7 +27,7 @@ from ray_ps_plugin._sparse import sparse_params
 from ray_ps_plugin._sync.layout import StreamLayout, plan_layout
 from ray_ps_plugin._sync.plan import BucketPlan, Send, plan_bucket
 from ray_ps_plugin._sync.topology import Route
-from ray_ps_plugin._transport import DirectPath, Lane, Transport, open_lanes, wait_all
+from ray_ps_plugin._transport import DirectPath, Handle, Lane, Transport, open_lanes, wait_all
 
 __all__ = ["DenseStream", "Received", "dtype_name"]
 
@@ -136,7 +136,7 @@ class DenseStream:
         """Starts a step's stream: the next bucket is the first."""
         self._offset = 0
 
-    def push(self, step: int, buf: torch.Tensor) -> tuple[BucketPlan, list[Any]]:
+    def push(self, step: int, buf: torch.Tensor) -> tuple[BucketPlan, list[Handle[Any]]]:
         """Sends a bucket's pieces as its plan says; returns the plan and one
         handle per send."""
         plan = self._plan(buf)
@@ -248,7 +248,7 @@ class DenseStream:
         step: int,
         bucket: torch.Tensor,
         plan: BucketPlan,
-        handles: list[Any],
+        handles: list[Handle[Any]],
         where: str,
         check: bool,
     ) -> tuple[torch.Tensor, Received]:
@@ -274,7 +274,7 @@ class DenseStream:
     def _wait_send(
         self,
         plan: BucketPlan,
-        handles: list[Any],
+        handles: list[Handle[Any]],
         outstanding: Sequence[int],
         where: str,
         deadline: float,

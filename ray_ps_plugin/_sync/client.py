@@ -39,7 +39,7 @@ from ray_ps_plugin._sync.buckets import DenseStream
 from ray_ps_plugin._sync.plan import BucketPlan
 from ray_ps_plugin._sync.rows import PendingRows, RowBatch
 from ray_ps_plugin._torch_compat import queue_autograd_callback
-from ray_ps_plugin._transport import DirectPath, Transport
+from ray_ps_plugin._transport import DirectPath, Handle, Transport
 
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
@@ -54,7 +54,7 @@ class _Pending:
     step: int
     bucket: torch.Tensor
     plan: BucketPlan
-    handles: list[Any]  # one per send of the plan
+    handles: list[Handle[Any]]  # one per send of the plan
     future: torch.futures.Future[torch.Tensor]
     started: float
 

@@ -19,7 +19,7 @@ import torch
 from ray_ps_plugin._codec import Codec
 from ray_ps_plugin._rows import RowEntry, pack, unpack
 from ray_ps_plugin._sparse import SparseTable, assemble, sparse_params
-from ray_ps_plugin._transport import DirectPath, Transport, wait_all
+from ray_ps_plugin._transport import DirectPath, Handle, Transport, wait_all
 
 __all__ = ["PendingRows", "RowBatch"]
 
@@ -32,7 +32,7 @@ class PendingRows:
     tables: list[SparseTable]
     grads: list[torch.Tensor]  # the worker's own, handed back to DDP on failure
     futures: list[torch.futures.Future[torch.Tensor]]
-    handles: list[Any]  # one call per shard, in shard order
+    handles: list[Handle[Any]]  # one call per shard, in shard order
     started: float = field(default_factory=time.perf_counter)
 
     @property

@@ -3,16 +3,15 @@
 import asyncio
 import threading
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 
 import numpy as np
 import torch
 
 from ray_ps_plugin._client import ClientSetup
-from ray_ps_plugin._errors import WaitTimeout
 from ray_ps_plugin._param.shard import ParamShard, Reply
 from ray_ps_plugin._sync.frames import LOCAL, PUSH, ROWS, ROWS_KEY, Frame, pack_local
 from ray_ps_plugin._sync.wire import RemoteError
+from ray_ps_plugin._transport import wait_handles
 
 
 class LoopThread:
@@ -141,10 +140,7 @@ class FakeTransport:
         return all(h.done() for h in handles)
 
     def wait(self, handles, timeout_s):
-        try:
-            return [h.result(timeout=timeout_s) for h in handles]
-        except FutureTimeout as e:
-            raise WaitTimeout("fake wait timed out") from e
+        return wait_handles(handles, timeout_s)
 
     def silent(self, shards, timeout_s):
         return [s for s in shards if s in self.silent_shards]
