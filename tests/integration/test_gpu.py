@@ -1,11 +1,16 @@
 """The GPU path: NCCL process group, CUDA buckets staged through host memory.
 
 Needs two GPUs in the test cluster; skipped otherwise (and on CI). Run with
-``pytest -m gpu tests/integration/test_gpu.py`` on a GPU machine.
+``pytest -m gpu tests/integration/test_gpu.py`` on a GPU machine. The test cluster
+has two simulated nodes: on a machine with one GPU each node reports it, the two
+workers land on different nodes and share the device. NCCL refuses two ranks on one
+device, so the process group is then Gloo (which takes CUDA tensors); the plugin's
+CUDA buckets, staged through host memory, are the same either way.
 """
 
 import pytest
 import ray
+import torch
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 
 from ray_ps_plugin import PSConfig, PSTrainer
@@ -22,10 +27,11 @@ def gpu_scaling(ray_cluster):
 
 
 def _fit(storage, name, loop, config, scaling, **ps):
+    backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
     return PSTrainer(
         loop,
         train_loop_config=config,
-        ps_config=PSConfig(**ps),
+        ps_config=PSConfig(backend=backend, **ps),
         scaling_config=scaling,
         run_config=RunConfig(storage_path=storage, name=name, failure_config=FailureConfig(0)),
     ).fit()
