@@ -33,17 +33,24 @@ def ray_cluster():
 
     Logical CPUs: workers ask for fractions, so 2 + 2 keeps two runs schedulable on a
     2-core machine without oversubscribing real work. Runs with PACK placement stay
-    on one node; test_multinode spreads workers over both.
+    on one node; test_multinode spreads workers over both. On a GPU machine the
+    two nodes report the same GPUs (named explicitly: Ray's own detection is not
+    relied on), so test_gpu can place one worker per node even with one device.
     """
+    import torch
+
     cluster = Cluster(
         initialize_head=True,
         head_node_args={
             "num_cpus": 2,
+            "num_gpus": torch.cuda.device_count(),
             "include_dashboard": False,
             "object_store_memory": 300 * 1024 * 1024,
         },
     )
-    cluster.add_node(num_cpus=2, object_store_memory=300 * 1024 * 1024)
+    cluster.add_node(
+        num_cpus=2, num_gpus=torch.cuda.device_count(), object_store_memory=300 * 1024 * 1024
+    )
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     yield cluster

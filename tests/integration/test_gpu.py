@@ -46,14 +46,23 @@ def test_sync_ps_on_gpus_equals_ddp(gpu_scaling, storage):
     assert max((a[k].double().cpu() - b[k].double().cpu()).abs().max().item() for k in a) <= 1e-5
 
 
-@pytest.mark.parametrize("ps", [{"mode": "async"}, {"mode": "sync", "compression": "bf16"}])
-def test_other_modes_train_on_gpus(gpu_scaling, storage, ps):
-    result = _fit(
-        storage,
-        f"gpu_{ps['mode']}",
-        digits.digits_loop,
-        {"epochs": 3, "lr": 0.05, "optimizer": "sgd"},
-        gpu_scaling,
-        **ps,
-    )
-    assert result.metrics["accuracy"] > 0.9
+# The CPU tests' digits run (test_modes): 95 steps per worker, StepLR halving every 40.
+DIGITS = {"epochs": 5, "lr": 0.05, "optimizer": "sgd", "lr_step": 40}
+
+
+@pytest.fixture(scope="module")
+def ddp_digits(gpu_scaling, tmp_path_factory):
+    storage = str(tmp_path_factory.mktemp("gpu_ddp_digits"))
+    return _fit(storage, "gpu_ddp_digits", digits.digits_loop, DIGITS, gpu_scaling, strategy="ddp")
+
+
+# The bounds are the CPU tests' (test_modes): async against sync within 2 points
+# (updates interleave differently every run), 16-bit sync within 1.
+@pytest.mark.parametrize(
+    ("ps", "points"),
+    [({"mode": "async"}, 0.02), ({"mode": "sync", "compression": "bf16"}, 0.01)],
+)
+def test_other_modes_train_on_gpus(gpu_scaling, ddp_digits, storage, ps, points):
+    result = _fit(storage, f"gpu_{ps['mode']}", digits.digits_loop, DIGITS, gpu_scaling, **ps)
+    reference = ddp_digits.metrics["accuracy"]
+    assert result.metrics["accuracy"] >= reference - points, (result.metrics, reference)
