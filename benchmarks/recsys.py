@@ -33,7 +33,8 @@ taken within the same round. ``--address`` runs it on a real cluster; in the bed
 
     python benchmarks/recsys.py --workers 4 --out benchmarks/results/recsys_1x4.json
     python benchmarks/recsys.py --workers-per-node 2 --tables 1 --rows 16777216 \\
-        --variants ps_sync_sharded --out benchmarks/results/recsys_sharded_4gib.json
+        --variants ps_sync_sharded,ddp --rounds 1 \\
+        --out benchmarks/results/recsys_sharded_4gib.json
     python tools/netbed.py --nodes 2 --cpus-per-node 2 --rate 1gbit -- \\
         python benchmarks/recsys.py --nodes 2 --workers-per-node 2 \\
         --out benchmarks/results/recsys_2x2_1gbit.json
@@ -45,6 +46,7 @@ import argparse
 import importlib
 import json
 import os
+import re
 import resource
 import statistics
 import sys
@@ -233,7 +235,25 @@ def _shard_peak_rss() -> list[int]:
 
 
 def run_variant(name: str, args: argparse.Namespace, storage: str) -> dict[str, Any]:
-    """One ``fit()`` of variant ``name``; returns rank 0's metrics."""
+    """One ``fit()`` of variant ``name``; returns rank 0's metrics, or ``{"failed":
+    message}`` when the run fails (DDP running out of memory on a table too large for
+    it is a result, not a crash of the benchmark)."""
+    try:
+        return _fit_variant(name, args, storage)
+    except ray.train.TrainingFailedError as e:
+        # Ray's memory monitor names its reason on a line of its own; other
+        # failures keep their first line.
+        oom = re.search(r"OOM kill reason: (.*)", str(e))
+        message = (
+            f"out of memory, workers killed by Ray's memory monitor ({oom.group(1)})"
+            if oom
+            else str(e).splitlines()[0][:200]
+        )
+        print(f"{name} failed: {message}")
+        return {"failed": message}
+
+
+def _fit_variant(name: str, args: argparse.Namespace, storage: str) -> dict[str, Any]:
     n = args.nodes * args.workers_per_node
     strategy = "STRICT_SPREAD" if args.workers_per_node == 1 and args.nodes > 1 else "SPREAD"
     result = PSTrainer(
@@ -273,11 +293,14 @@ def summarize(rounds: list[dict[str, Any]], variants: list[str]) -> dict[str, An
         return statistics.fmean(vals) if vals else None
 
     out: dict[str, Any] = {}
-    for name in variants:
+    failed = {name for r in rounds for name in variants if "failed" in r[name]}
+    for name in failed:
+        out[name] = {"failed": next(r[name]["failed"] for r in rounds if "failed" in r[name])}
+    for name in (v for v in variants if v not in failed):
         entry: dict[str, Any] = {
             "median_step_s": statistics.median(r[name]["mean_step_s"] for r in rounds),
         }
-        if "ddp" in variants:
+        if "ddp" in variants and "ddp" not in failed:
             entry["ratio_to_ddp"] = statistics.median(
                 r[name]["mean_step_s"] / r["ddp"]["mean_step_s"] for r in rounds
             )
@@ -337,7 +360,10 @@ def main() -> None:
         rounds.append({name: run_variant(name, args, storage) for name in variants})
         print(
             f"round {i + 1}: "
-            + ", ".join(f"{k} {v['mean_step_s'] * 1e3:.1f} ms" for k, v in rounds[-1].items())
+            + ", ".join(
+                f"{k} {v['mean_step_s'] * 1e3:.1f} ms" if "failed" not in v else f"{k} failed"
+                for k, v in rounds[-1].items()
+            )
         )
     summary = summarize(rounds, variants)
     for name, s in summary.items():

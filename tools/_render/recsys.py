@@ -81,15 +81,16 @@ def recsys_memory_table(result: str) -> str:
     d = read_json(result)
     a = d["args"]
     workers = a["nodes"] * a["workers_per_node"]
+    table = a["tables"] * a["rows"] * a["dim"] * 4
     rows = []
     for variant, e in d["summary"].items():
-        table = d["rounds"][0][variant]["table_bytes"]
+        failed = e.get("failed")
         rows.append(
             [
                 f"`{variant}`",
                 f"{a['tables']} × {a['rows']:,} × {a['dim']} fp32 = {_gib(table)} GiB",
-                _gib(e["max_worker_peak_rss_bytes"]),
-                _gib(e["max_shard_peak_rss_bytes"]),
+                "failed: " + failed if failed else _gib(e["max_worker_peak_rss_bytes"]),
+                "" if failed else _gib(e["max_shard_peak_rss_bytes"] or 0),
                 f"{_gib(3 * table)} per worker, {_gib(3 * table * workers)} for {workers}",
             ]
         )
@@ -98,7 +99,7 @@ def recsys_memory_table(result: str) -> str:
         "tables",
         "worker peak RSS (GiB, max)",
         "shard peak RSS (GiB, max)",
-        "DDP's tables and SparseAdam state (GiB)",
+        "DDP's tables and SparseAdam state (GiB, arithmetic)",
     ]
     prov = _provenance(result, "recsys", f"{result}.json")
     return prov + "\n\n" + _table(header, rows)
