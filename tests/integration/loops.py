@@ -15,9 +15,11 @@ from ray_ps_plugin._ray_compat import actor_table
 
 
 class Net(nn.Module):
-    """Small MLP with a frozen layer and a parameter unused on odd steps."""
+    """Small MLP with a frozen layer and a parameter unused on odd steps; with
+    ``sparse``, also a table with sparse gradients looked up by ids cut from the
+    input (each worker's batch touches its own rows, some in every shard's range)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sparse: bool = False) -> None:
         super().__init__()
         self.frozen = nn.Linear(16, 16)
         self.frozen.requires_grad_(False)
@@ -25,10 +27,13 @@ class Net(nn.Module):
         self.head = nn.Linear(64, 4)
         self.aux = nn.Linear(64, 4)  # used only on even steps
         self.bn = nn.BatchNorm1d(64)
+        self.table = nn.EmbeddingBag(64, 4, mode="sum", sparse=True) if sparse else None
 
     def forward(self, x: torch.Tensor, use_aux: bool) -> torch.Tensor:
         h = self.bn(self.body(self.frozen(x)))
         out = self.head(h)
+        if self.table is not None:
+            out = out + self.table((x[:, 5:8] * 16).long() % 64)
         return out + self.aux(h) if use_aux else out
 
 
@@ -51,11 +56,15 @@ def equivalence_loop(config: dict[str, Any]) -> None:
     model.module.state_dict().
     """
     torch.manual_seed(config.get("seed", 0) + ray.train.get_context().get_world_rank())
+    net = Net(sparse=config.get("sparse", False))
     model = ray.train.torch.prepare_model(
-        Net(), parallel_strategy_kwargs={"find_unused_parameters": True}
+        net, parallel_strategy_kwargs={"find_unused_parameters": True}
     )
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    dense = [p for n, p in net.named_parameters() if not n.startswith("table.")]
+    opt = torch.optim.Adam(dense, lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)
+    # A sparse table takes SparseAdam, as users split them (Adam refuses sparse grads).
+    tables = [torch.optim.SparseAdam([net.table.weight], lr=1e-2)] if net.table else []
     loader = torch.utils.data.DataLoader(dataset(), batch_size=16, shuffle=True)
     loader = ray.train.torch.prepare_data_loader(loader)
     accumulate = config.get("accumulate", 2)
@@ -69,8 +78,9 @@ def equivalence_loop(config: dict[str, Any]) -> None:
             if last_micro:
                 loss = nn.functional.cross_entropy(model(x, use_aux), y)
                 loss.backward()
-                opt.step()
-                opt.zero_grad()
+                for o in (opt, *tables):
+                    o.step()
+                    o.zero_grad()
                 sched.step()
                 updates += 1
             else:

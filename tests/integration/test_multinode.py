@@ -1,7 +1,7 @@
 """Two simulated nodes: shards colocated with their workers, cross-node bytes
 counted, and sync PS still equal to DDP when the workers sit on different nodes —
 on the direct TCP path, through the object store, and with two workers per node
-summing on their node's relay first."""
+summing on their node's relay first (dense chunks and sparse rows)."""
 
 import pytest
 import ray
@@ -18,10 +18,10 @@ SPREAD = ScalingConfig(
 )
 
 
-def _fit(storage, name, scaling=SPREAD, steps=loops.EQUIVALENCE_STEPS, **ps):
+def _fit(storage, name, scaling=SPREAD, steps=loops.EQUIVALENCE_STEPS, sparse=False, **ps):
     return PSTrainer(
         loops.equivalence_loop,
-        train_loop_config={"steps": steps},
+        train_loop_config={"steps": steps, "sparse": sparse},
         ps_config=PSConfig(**ps),
         scaling_config=scaling,
         run_config=RunConfig(storage_path=storage, name=name, failure_config=FailureConfig(0)),
@@ -41,9 +41,10 @@ def runs(ray_cluster, tmp_path_factory, equivalence_ddp):
         "ddp": equivalence_ddp,
         "ps": _fit(storage, "ps", strategy="ps", chunk_bytes=4096),
         "store": _fit(storage, "store", strategy="ps", chunk_bytes=4096, data_path="object_store"),
-        "ddp4": _fit(storage, "ddp4", steps=4, scaling=four, strategy="ddp"),
+        # With a sparse table beside: its rows are relayed as the dense chunks are.
+        "ddp4": _fit(storage, "ddp4", steps=4, scaling=four, sparse=True, strategy="ddp"),
         # server_placement="auto": one shard per node, which relays its two workers.
-        "per_node": _fit(storage, "per_node", steps=4, scaling=four, chunk_bytes=4096),
+        "per_node": _fit(storage, "per_node", steps=4, scaling=four, sparse=True, chunk_bytes=4096),
     }
 
 
@@ -69,8 +70,9 @@ def test_one_shard_per_node_when_nodes_have_several_workers(runs):
 
 def test_two_workers_per_node_sum_on_their_node_first(runs):
     m = runs["per_node"].metrics
-    # Rank 0 hands every chunk to its node's shard through shared memory; the
-    # relay alone sends the node's partial sums across.
+    # Rank 0 hands every chunk to its node's shard through shared memory, and its
+    # sparse rows to it on loopback; the relay alone sends the node's partial sums
+    # and rows across.
     assert m["ps_shared_memory_shards"] == [m["ps_server_nodes"].index(m["worker_node"])]
     assert m["ps_cross_node"] == 0 and m["ps_bytes_pushed"] > 0
     ddp, ps = loops.load_state(runs["ddp4"]), loops.load_state(runs["per_node"])
