@@ -10,7 +10,6 @@ the rows every worker touched. Nothing here imports torch: shard processes use i
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -115,25 +114,14 @@ class RowSums:
 
     Args:
         shard_index: The shard's index (error messages).
-        sources: Who sends the rows that make up one step: worker ranks, and the
-            relays of other nodes (each sends its node's rows summed) where the run
-            has them. A relay's own sums of its node's rows are a ``RowSums`` too,
-            whose sources are the node's workers.
-        timeout_s: How long a source's rows wait for the other sources'.
-        describe: A source in words, for error messages.
+        num_workers: Workers whose rows make up one step.
+        timeout_s: How long a worker's rows wait for the other workers'.
     """
 
-    def __init__(
-        self,
-        shard_index: int,
-        sources: frozenset[int],
-        timeout_s: float,
-        describe: Callable[[int], str] = lambda s: f"worker {s}",
-    ) -> None:
+    def __init__(self, shard_index: int, num_workers: int, timeout_s: float) -> None:
         self.shard_index = shard_index
-        self.sources = sources
+        self.num_workers = num_workers
         self.timeout_s = timeout_s
-        self._describe = describe
         self._rounds: dict[tuple[int, int, int], _RowRound] = {}
 
     def _check(
@@ -172,35 +160,29 @@ class RowSums:
         indices: np.ndarray,
         values: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Adds one source's rows; returns every source's summed rows once all sent theirs.
+        """Adds one worker's rows; returns every worker's summed rows once all sent theirs.
 
         Args:
             model: The prepared model's id.
             step: The worker's synchronisation round.
             table: The table's index among the model's sparse tables.
-            rank: The sending source: a worker's world rank or a relay's source id.
+            rank: The sending worker's world rank.
             span: The rows this shard owns, ``(first, end)``, as the worker split
                 the table (every worker must send the same).
             indices: Sorted, unique row indices in this shard's range (may be empty).
             values: Their values, already divided by the world size.
 
         Raises:
-            ShardTimeoutError: If the other sources do not send within the timeout.
-            ShardProtocolError: If the rows do not belong to this shard, or the
-                source is not one of this step's.
+            ShardTimeoutError: If the other workers do not send within the timeout.
+            ShardProtocolError: If the rows do not belong to this shard.
         """
-        if rank not in self.sources:
-            raise ShardProtocolError(
-                f"shard {self.shard_index}: sparse table {table}: {self._describe(rank)} "
-                "does not send these rows here; the workers disagree on the topology."
-            )
         key = (model, table, step)
         span = (int(span[0]), int(span[1]))
         round_ = self._rounds.setdefault(key, _RowRound(span=span))
         self._check(round_, table, span, indices, values)
         if rank not in round_.indices:
             round_.indices[rank], round_.values[rank] = indices, values
-            if len(round_.indices) == len(self.sources):
+            if len(round_.indices) == self.num_workers:
                 ranks = sorted(round_.indices)
                 round_.result = sum_rows(
                     [round_.indices[r] for r in ranks], [round_.values[r] for r in ranks]
@@ -210,17 +192,15 @@ class RowSums:
             await asyncio.wait_for(round_.done.wait(), self.timeout_s)
         except asyncio.TimeoutError:
             self._rounds.pop(key, None)
-            missing = ", ".join(
-                self._describe(s) for s in sorted(self.sources - set(round_.indices))
-            )
+            missing = sorted(set(range(self.num_workers)) - set(round_.indices))
             raise ShardTimeoutError(
                 f"shard {self.shard_index}: model {model}: step {step}, sparse table "
-                f"{table} waited {self.timeout_s:g}s for the rows of {missing}; a "
+                f"{table} waited {self.timeout_s:g}s for the rows of worker(s) {missing}; a "
                 "worker is stuck, dead or its model differs. Raise PSConfig.ps_timeout_s "
                 "if steps are slow."
             ) from None
         assert round_.result is not None
         round_.answered.add(rank)
-        if len(round_.answered) == len(self.sources):
+        if len(round_.answered) == self.num_workers:
             self._rounds.pop(key, None)
         return round_.result

@@ -82,16 +82,9 @@ class DirectPath(Protocol):
         ...
 
     def push_rows(
-        self,
-        shard: int,
-        model: int,
-        step: int,
-        source: int,
-        payload: Any,
-        owner: int | None = None,
+        self, shard: int, model: int, step: int, source: int, payload: Any
     ) -> Handle[Any]:
-        """Sends a step's packed sparse rows that ``owner`` owns (``None``: ``shard``;
-        else ``shard`` is the node's relay); the future holds the packed answer."""
+        """Sends a step's packed sparse rows; the future holds the packed answer."""
         ...
 
     def reaches(self, shard: int) -> bool:

@@ -93,17 +93,7 @@ class SumClient(ClientBase):
         self._warned_no_callback = False
         self._round: list[torch.futures.Future[torch.Tensor]] = []  # this step's futures
         self._queue: queue.Queue[_Pending | PendingRows | None] = queue.Queue()
-        topology = setup.topology
-        # Through the node's relay where the run has one: it reaches the shards on
-        # the direct path, which the run then has.
-        targets = (
-            [topology.route(self.rank, s).target for s in range(stream.num_shards)]
-            if topology is not None and topology.has_relays and rows_direct is not None
-            else None
-        )
-        self._rows = RowBatch(
-            setup.module, stream.num_shards, Codec(setup.settings.compression), targets
-        )
+        self._rows = RowBatch(setup.module, stream.num_shards, Codec(setup.settings.compression))
         self._thread = threading.Thread(
             target=self._complete_loop,
             name=f"ps-comm-rank{self.rank}-model{self.model_id}",
@@ -183,9 +173,8 @@ class SumClient(ClientBase):
             self.guard.flag(item.step)  # every worker holds the same sums and flags alike
         with self._lock:
             self._stats.bytes_pulled += sum(received)
-            # Counted where each answer came from: the owner, or the node's relay.
             self._stats.bytes_cross_node += sum(
-                n for s, n in zip(item.shards, received) if s in self.remote_shards
+                n for s, n in enumerate(received) if s in self.remote_shards
             )
             self._stats.last_sync_s = time.perf_counter() - item.started
         for fut, grad in zip(item.futures, sums):

@@ -43,13 +43,12 @@ __all__ = [
     "LOCAL",
     "PUSH",
     "ROWS",
+    "ROWS_KEY",
     "TOKEN_BYTES",
     "Frame",
     "FrameSender",
     "pack_local",
     "recv_exact",
-    "rows_key",
-    "rows_owner",
     "tune_socket",
     "unpack_local",
 ]
@@ -59,19 +58,8 @@ _MAGIC = b"PSW1"
 #: Size of a frame's header.
 HEADER_BYTES = _HEADER.size
 PUSH, ANSWER, ERROR, LOCAL, ROWS = 0, 1, 2, 3, 4
-
-
-def rows_key(owner: int) -> int:
-    """The key of a ``ROWS`` frame: it names the shard that owns the rows (a relay
-    receives its node's rows for other nodes' shards), one frame per model, step and
-    owner. Negative, so it never meets a dense chunk's key (a byte offset)."""
-    return -1 - owner
-
-
-def rows_owner(key: int) -> int:
-    """The owner shard a ``ROWS`` frame's key names (see :func:`rows_key`)."""
-    return -1 - key
-
+#: The key of a ``ROWS`` frame: one per model, step and shard (chunk keys are >= 0).
+ROWS_KEY = -1
 
 #: Element types a frame may name (the model's dtype; the payload is in the wire
 #: format the run's compression chooses), by their index in the header.

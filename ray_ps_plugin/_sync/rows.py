@@ -32,9 +32,12 @@ class PendingRows:
     tables: list[SparseTable]
     grads: list[torch.Tensor]  # the worker's own, handed back to DDP on failure
     futures: list[torch.futures.Future[torch.Tensor]]
-    handles: list[Handle[Any]]  # one message per owner shard, in shard order
-    shards: list[int]  # where each message went: the owner, or the node's relay
+    handles: list[Handle[Any]]  # one call per shard, in shard order
     started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def shards(self) -> list[int]:
+        return list(range(len(self.handles)))
 
     def release(self) -> None:
         """Completes every future not completed yet with the worker's own gradient
@@ -51,23 +54,14 @@ class RowBatch:
         module: The model.
         num_shards: The shards the tables' rows are split over.
         codec: The run's encoding of values in messages.
-        targets: Where this worker sends each owner shard's rows: the owner, or its
-            node's relay (on the direct path); by default each owner.
     """
 
-    def __init__(
-        self,
-        module: torch.nn.Module,
-        num_shards: int,
-        codec: Codec,
-        targets: list[int] | None = None,
-    ) -> None:
+    def __init__(self, module: torch.nn.Module, num_shards: int, codec: Codec) -> None:
         self._tables = {
             id(p): SparseTable(i, p, num_shards) for i, p in enumerate(sparse_params(module))
         }
         self._num_shards = num_shards
         self._codec = codec
-        self._targets = list(range(num_shards)) if targets is None else targets
         self._held: list[tuple[SparseTable, torch.Tensor, torch.futures.Future[torch.Tensor]]] = []
 
     def __bool__(self) -> bool:
@@ -92,18 +86,14 @@ class RowBatch:
         world_size: int,
     ) -> tuple[PendingRows | None, list[int]]:
         """Sends the held gradients' rows, divided by the world size: one message per
-        owner shard (with an empty pair for a table of which the worker touched none
-        of the shard's rows: the shard waits for every worker's rows), to the owner
-        or to the node's relay. A frame on the direct path where the run has one (a
-        Ray call and its reply cost far more), else a Ray call to the owner.
+        shard (with an empty pair for a table of which the worker touched none of
+        the shard's rows: the shard waits for every worker's rows). A frame on the
+        direct path where the run has one (a Ray call and its reply cost far more),
+        else a Ray call.
 
         Returns:
             The pending step (``None`` if nothing was held) and the bytes sent to
-            each shard (the owners and the relay).
-
-        Raises:
-            ValueError: If rows must go through a relay but the run has no direct
-                path to it (the topology and the transport disagree).
+            each shard.
         """
         held, self._held = self._held, []
         if not held:
@@ -113,25 +103,15 @@ class RowBatch:
         for table, grad, _ in held:
             for shard, span, indices, values in table.split(grad, 1.0 / world_size, self._codec):
                 per_shard[shard].append((table.index, span, indices, values, table.dtype_name))
-                sent[self._targets[shard]] += indices.nbytes + values.nbytes
-        handles = []
-        for owner, target in enumerate(self._targets):
-            if direct is not None and direct.reaches(target):
-                payload = pack(per_shard[owner])
-                handles.append(direct.push_rows(target, model_id, step, rank, payload, owner))
-            elif target == owner:
-                handles.append(
-                    transport.call(owner, "push_rows", model_id, step, rank, per_shard[owner])
-                )
-            else:
-                raise ValueError(f"rows of shard {owner} go through relay {target}: no path")
+                sent[shard] += indices.nbytes + values.nbytes
+        handles = [
+            direct.push_rows(s, model_id, step, rank, pack(per_shard[s]))
+            if direct is not None and direct.reaches(s)
+            else transport.call(s, "push_rows", model_id, step, rank, per_shard[s])
+            for s in range(self._num_shards)
+        ]
         pending = PendingRows(
-            step,
-            [t for t, _, _ in held],
-            [g for _, g, _ in held],
-            [f for *_, f in held],
-            handles,
-            list(self._targets),
+            step, [t for t, _, _ in held], [g for _, g, _ in held], [f for *_, f in held], handles
         )
         return pending, sent
 

@@ -25,11 +25,10 @@ import numpy as np
 from ray_ps_plugin._codec import Codec
 from ray_ps_plugin._dtypes import BF16_BITS, bf16_to_f32
 from ray_ps_plugin._errors import ShardLinkError, ShardProtocolError, ShardTimeoutError
-from ray_ps_plugin._rows import RowEntry, pack, unpack
+from ray_ps_plugin._rows import RowEntry, RowSums, pack, unpack
 from ray_ps_plugin._shard import ShardBase
 from ray_ps_plugin._shm import SegmentHandle
-from ray_ps_plugin._sync.frames import LOCAL, ROWS, Frame, rows_owner, unpack_local
-from ray_ps_plugin._sync.shard_rows import Rows, ShardRows
+from ray_ps_plugin._sync.frames import LOCAL, ROWS, Frame, unpack_local
 from ray_ps_plugin._sync.sums import ChunkSums, Slot
 from ray_ps_plugin._sync.topology import Topology
 from ray_ps_plugin._sync.wire import WireServer, WireStreams
@@ -66,15 +65,7 @@ class SumShard(ShardBase):
         self._wire_server: WireServer | None = None
         self._relay_streams: WireStreams | None = None
         self._sums = ChunkSums(shard_index, self._codec, self._describe)
-        self._rows = ShardRows(
-            shard_index,
-            num_workers,
-            timeout_s,
-            self._codec,
-            self._describe,
-            self._queued,
-            lambda: self._relay_streams,
-        )
+        self._rows = RowSums(shard_index, num_workers, timeout_s)
 
     async def open_wire(self, token: bytes, host: str | None = None) -> tuple[str, int]:
         """Starts listening for pushes on the direct data path; returns its address.
@@ -105,7 +96,6 @@ class SumShard(ShardBase):
         self._relayed = topology.relayed_ranks(self.shard_index)
         if self._relayed and topology.addresses:
             self._relay_streams = WireStreams(topology.addresses, topology.token, self.timeout_s)
-        self._rows.configure(topology)
 
     def _describe(self, source: int) -> str:
         if self._topology is None:
@@ -118,16 +108,7 @@ class SumShard(ShardBase):
         worker of this node whose chunks lie in shared memory."""
         if frame.kind == ROWS:
             entries = unpack(payload)
-            for entry in entries:
-                self._check(frame.model, None, entry[4])
-            owner = rows_owner(frame.key)
-            if owner == self.shard_index:
-                answers = await self._rows.sum(frame.model, frame.step, frame.source, entries)
-            else:
-                answers = await self._rows.relay(
-                    frame.model, frame.step, frame.source, owner, entries
-                )
-            self._count_rows(entries, answers)
+            answers = await self.push_rows(frame.model, frame.step, frame.source, entries)
             return pack([(e[0], e[1], r, v, e[4]) for e, (r, v) in zip(entries, answers)])
         if frame.kind == LOCAL:
             chunks = unpack_local(payload)
@@ -328,7 +309,9 @@ class SumShard(ShardBase):
         self._bytes_out += answer.nbytes
         return answer
 
-    async def push_rows(self, model: int, step: int, rank: int, tables: list[RowEntry]) -> Rows:
+    async def push_rows(
+        self, model: int, step: int, rank: int, tables: list[RowEntry]
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
         """Adds one worker's touched rows of the model's sparse tables; returns, per
         table, the union of every worker's rows and their sums
         (see :class:`~ray_ps_plugin._rows.RowSums`).
@@ -347,14 +330,23 @@ class SumShard(ShardBase):
         self._check(model, rank)
         for entry in tables:
             self._check(model, rank, entry[4])
-        answers = await self._rows.sum(model, step, rank, tables)
-        self._count_rows(tables, answers)
-        return answers
-
-    def _count_rows(self, tables: list[RowEntry], answers: Rows) -> None:
-        self._pushes += 1
-        self._bytes_in += sum(i.nbytes + v.nbytes for _, _, i, v, _ in tables)
+        with self._queued():
+            self._pushes += 1
+            self._bytes_in += sum(i.nbytes + v.nbytes for _, _, i, v, _ in tables)
+            results = await asyncio.gather(
+                *(
+                    self._rows.push(
+                        model, step, table, rank, span, indices, self._codec.decode_np(values, dt)
+                    )
+                    for table, span, indices, values, dt in tables
+                )
+            )
+        answers = [
+            (rows, self._codec.encode_np(sums, dt) if self._codec.converts(dt) else sums)
+            for (rows, sums), (*_, dt) in zip(results, tables)
+        ]
         self._bytes_out += sum(r.nbytes + v.nbytes for r, v in answers)
+        return answers
 
     async def _relay(self, model: int, slot: Slot, key: int, dtype: str) -> None:
         """Sends this node's partial sum to the owner; leaves the answer for every

@@ -43,12 +43,12 @@ from ray_ps_plugin._sync.frames import (
     LOCAL,
     PUSH,
     ROWS,
+    ROWS_KEY,
     TOKEN_BYTES,
     Frame,
     FrameSender,
     pack_local,
     recv_exact,
-    rows_key,
     tune_socket,
 )
 
@@ -380,20 +380,11 @@ class WireStreams:
         return self._stream(shard).push(frame, payload)
 
     def push_rows(
-        self,
-        shard: int,
-        model: int,
-        step: int,
-        source: int,
-        payload: np.ndarray,
-        owner: int | None = None,
+        self, shard: int, model: int, step: int, source: int, payload: np.ndarray
     ) -> concurrent.futures.Future[np.ndarray]:
         """Sends a shard the step's touched rows of a model's sparse tables (packed by
-        :func:`ray_ps_plugin._rows.pack`) that shard ``owner`` owns (``None``: the
-        shard itself; else the shard is the node's relay); the future holds the
-        packed answer."""
-        key = rows_key(shard if owner is None else owner)
-        frame = Frame(ROWS, "float32", model, step, key, source, payload.nbytes)
+        :func:`ray_ps_plugin._rows.pack`); the future holds the packed answer."""
+        frame = Frame(ROWS, "float32", model, step, ROWS_KEY, source, payload.nbytes)
         return self._stream(shard).push(frame, payload)
 
     def close(self, timeout_s: float = 5.0) -> None:

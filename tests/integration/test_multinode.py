@@ -1,7 +1,7 @@
 """Two simulated nodes: shards colocated with their workers, cross-node bytes
 counted, and sync PS still equal to DDP when the workers sit on different nodes —
 on the direct TCP path, through the object store, and with two workers per node
-summing on their node's relay first (dense chunks and sparse rows)."""
+summing on their node's relay first (a sparse table's rows beside, sent directly)."""
 
 import pytest
 import ray
@@ -41,7 +41,7 @@ def runs(ray_cluster, tmp_path_factory, equivalence_ddp):
         "ddp": equivalence_ddp,
         "ps": _fit(storage, "ps", strategy="ps", chunk_bytes=4096),
         "store": _fit(storage, "store", strategy="ps", chunk_bytes=4096, data_path="object_store"),
-        # With a sparse table beside: its rows are relayed as the dense chunks are.
+        # With a sparse table beside, whose rows go to their owners directly.
         "ddp4": _fit(storage, "ddp4", steps=4, scaling=four, sparse=True, strategy="ddp"),
         # server_placement="auto": one shard per node, which relays its two workers.
         "per_node": _fit(storage, "per_node", steps=4, scaling=four, sparse=True, chunk_bytes=4096),
@@ -70,11 +70,14 @@ def test_one_shard_per_node_when_nodes_have_several_workers(runs):
 
 def test_two_workers_per_node_sum_on_their_node_first(runs):
     m = runs["per_node"].metrics
-    # Rank 0 hands every chunk to its node's shard through shared memory, and its
-    # sparse rows to it on loopback; the relay alone sends the node's partial sums
-    # and rows across.
-    assert m["ps_shared_memory_shards"] == [m["ps_server_nodes"].index(m["worker_node"])]
-    assert m["ps_cross_node"] == 0 and m["ps_bytes_pushed"] > 0
+    # Rank 0 hands every dense chunk to its node's shard through shared memory; the
+    # relay alone sends the node's partial sums across. Its sparse rows go to their
+    # owners themselves: what it pushed to the other node's shard is rows only.
+    home = m["ps_server_nodes"].index(m["worker_node"])
+    assert m["ps_shared_memory_shards"] == [home]
+    rows_out = m["ps_per_shard"][1 - home]
+    assert 0 < rows_out < m["ps_cross_node"]  # the rows, then the union coming back
+    assert rows_out < m["ps_per_shard"][home]  # the dense chunks went to the relay
     ddp, ps = loops.load_state(runs["ddp4"]), loops.load_state(runs["per_node"])
     assert max((ddp[k].double() - ps[k].double()).abs().max().item() for k in ddp) <= 1e-5
 

@@ -9,7 +9,7 @@ import torch
 
 from ray_ps_plugin._client import ClientSetup
 from ray_ps_plugin._param.shard import ParamShard, Reply
-from ray_ps_plugin._sync.frames import LOCAL, PUSH, ROWS, Frame, pack_local, rows_key
+from ray_ps_plugin._sync.frames import LOCAL, PUSH, ROWS, ROWS_KEY, Frame, pack_local
 from ray_ps_plugin._sync.wire import RemoteError
 from ray_ps_plugin._transport import wait_handles
 
@@ -71,9 +71,8 @@ class FakeDirect:
         frame = Frame(LOCAL, dtype, model, step, chunks[0][0], source, payload.nbytes)
         return self._send(shard, frame, payload, None)
 
-    def push_rows(self, shard, model, step, source, payload, owner=None) -> Future:
-        key = rows_key(shard if owner is None else owner)
-        frame = Frame(ROWS, "float32", model, step, key, source, payload.nbytes)
+    def push_rows(self, shard, model, step, source, payload) -> Future:
+        frame = Frame(ROWS, "float32", model, step, ROWS_KEY, source, payload.nbytes)
         return self._send(shard, frame, payload.copy(), None)
 
     def _send(self, shard, frame, payload, into) -> Future:
