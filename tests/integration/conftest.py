@@ -39,18 +39,17 @@ def ray_cluster():
     """
     import torch
 
+    gpus = torch.cuda.device_count()
     cluster = Cluster(
         initialize_head=True,
         head_node_args={
             "num_cpus": 2,
-            "num_gpus": torch.cuda.device_count(),
+            "num_gpus": gpus,
             "include_dashboard": False,
             "object_store_memory": 300 * 1024 * 1024,
         },
     )
-    cluster.add_node(
-        num_cpus=2, num_gpus=torch.cuda.device_count(), object_store_memory=300 * 1024 * 1024
-    )
+    cluster.add_node(num_cpus=2, num_gpus=gpus, object_store_memory=300 * 1024 * 1024)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     yield cluster

@@ -71,7 +71,7 @@ def equivalence_loop(config: dict[str, Any]) -> None:
     )
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)
     # A sparse table takes SparseAdam, as users split them (Adam refuses sparse grads).
-    tables = [torch.optim.SparseAdam([net.table.weight], lr=1e-2)] if net.table else []
+    tables = [torch.optim.SparseAdam([net.table.weight], lr=1e-2)] if net.table is not None else []
     loader = torch.utils.data.DataLoader(dataset(), batch_size=16, shuffle=True)
     loader = ray.train.torch.prepare_data_loader(loader)
     accumulate = config.get("accumulate", 2)
