@@ -116,10 +116,6 @@ class Transport(Protocol):
         """Connects through shared memory (blocking); returns the output segments."""
         ...
 
-    def done(self, handles: Sequence[Handle[Any]]) -> bool:
-        """Whether every handle's result is available, without waiting."""
-        ...
-
     def wait(self, handles: Sequence[Handle[Any]], timeout_s: float) -> list[Any]:
         """Waits for all results; raises ``WaitTimeout`` after ``timeout_s``."""
         ...
@@ -190,9 +186,6 @@ class RayTransport:
 
         call = self._servers[shard].attach.remote(model, rank, inputs, lo, nbytes)
         return tuple(ray.get(call, timeout=self._timeout_s))
-
-    def done(self, handles: Sequence[Handle[Any]]) -> bool:
-        return all(h.done() for h in handles)
 
     def wait(self, handles: Sequence[Handle[Any]], timeout_s: float) -> list[Any]:
         return wait_handles(handles, timeout_s)

@@ -136,9 +136,6 @@ class FakeTransport:
     def attach(self, shard, model, rank, inputs, lo, nbytes):
         return self.servers[shard].attach(model, rank, inputs, lo, nbytes)
 
-    def done(self, handles) -> bool:
-        return all(h.done() for h in handles)
-
     def wait(self, handles, timeout_s):
         return wait_handles(handles, timeout_s)
 
