@@ -27,7 +27,8 @@ Variants (run in alternation within each round, so drifts hit them alike):
   rounds). Their warm-up and timed steps are rounded up to whole rounds (at least
   two timed rounds), so the mean holds every round's transfer.
   ``ps_diloco_h32_bf16``: H = 32 with ``compression="bf16"``;
-  ``ps_diloco_h32_overlap``: H = 32 with ``diloco_overlap=True``.
+  ``ps_diloco_h32_overlap``: H = 32 with ``diloco_overlap=True``;
+  ``ps_diloco_h32_noagg``: H = 32 without node relays (``node_aggregation=False``).
 - ``compute``: no synchronisation at all (the floor; not run by default).
 
 Step time is rank 0's mean over the steps after warm-up; the table shows the median
@@ -105,6 +106,11 @@ VARIANTS: dict[str, tuple[dict[str, Any], str | None, bool]] = {
     ),
     "ps_diloco_h32_overlap": (
         {"strategy": "ps", "mode": "diloco", "local_steps": 32, "diloco_overlap": True},
+        None,
+        True,
+    ),
+    "ps_diloco_h32_noagg": (
+        {"strategy": "ps", "mode": "diloco", "local_steps": 32, "node_aggregation": False},
         None,
         True,
     ),

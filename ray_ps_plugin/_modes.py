@@ -15,6 +15,7 @@ from ray_ps_plugin._client import ClientBase, ClientSetup
 from ray_ps_plugin._param.client import ParamClient
 from ray_ps_plugin._param.diloco_client import DilocoClient
 from ray_ps_plugin._param.diloco_shard import DilocoShard
+from ray_ps_plugin._param.relay import connect_round_relays
 from ray_ps_plugin._param.shard import ParamShard
 from ray_ps_plugin._shard import ShardBase
 from ray_ps_plugin._sync.client import SumClient
@@ -87,6 +88,7 @@ _DILOCO = ModeSpec(
     ),
     build_client=DilocoClient.build,
     uses_reducer=False,
+    connect=connect_round_relays,
     max_concurrency=_PARAM.max_concurrency,  # the same calls as async/ssp
 )
 

@@ -122,7 +122,10 @@ class PSConfig(TorchConfig):
         node_aggregation: Whether, in sync mode, the workers of a node with several
             workers first sum their gradients on that node's first shard, which
             then sends one partial sum per node across the network (needs
-            ``data_path="tcp"`` and a shard on the node; ignored otherwise).
+            ``data_path="tcp"`` and a shard on the node; ignored otherwise). In
+            ``"diloco"`` with synchronous rounds the same shard sums the node's
+            round changes for other nodes' shards and sends each one message (by
+            Ray call; needs a shard on the node).
         local_steps: ``"diloco"``: optimizer steps each worker takes on its own copy
             between two rounds with the shards (H). Every round sends the change
             since the last global parameters and installs the new ones.

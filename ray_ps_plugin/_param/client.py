@@ -233,17 +233,19 @@ class ParamClient(ClientBase):
                 )
             else:
                 assert delta is not None
-                handles.append(
-                    self._transport.call(
-                        s, "push_pull", self.model_id, self.rank, self._clock, delta[a:b]
-                    )
-                )
+                handles.append(self._push_by_message(s, delta[a:b]))
         with self._lock:
             self._stats.clock = self._clock
             self._stats.pushes += len(handles)
             for s, nbytes in enumerate(self._slice_bytes):
                 self._count_push(s, nbytes)
         return handles
+
+    def _push_by_message(self, shard: int, delta: Any) -> Handle[Any]:
+        """Sends one shard its slice of the delta (encoded) for the current clock."""
+        return self._transport.call(
+            shard, "push_pull", self.model_id, self.rank, self._clock, delta
+        )
 
     def _export_metrics(self) -> None:
         if self._metrics is not None and self._metrics.due():

@@ -20,6 +20,10 @@ maths (a round's change is computed from parameters the shards never held, so
 ``local_steps=1`` with plain averaging is no longer synchronous SGD), which is
 why it is opt-in.
 
+In synchronous rounds across nodes a worker hands its change for other nodes'
+shards to its node's relay (:mod:`ray_ps_plugin._param.relay`), which sends each
+owner one sum for the whole node.
+
 A training function that ends between two rounds sends its last, shorter round
 from :meth:`flush` (which the end of the loop calls too), so no local step is lost;
 the shards apply a round without the workers that finished.
@@ -36,7 +40,8 @@ import torch
 from ray_ps_plugin._client import ClientBase, ClientSetup
 from ray_ps_plugin._nonfinite import all_finite
 from ray_ps_plugin._param.client import ParamClient, _InFlight
-from ray_ps_plugin._transport import Transport
+from ray_ps_plugin._param.relay import RoundRelays
+from ray_ps_plugin._transport import Handle, Transport
 
 __all__ = ["DilocoClient"]
 
@@ -61,6 +66,12 @@ class DilocoClient(ParamClient):
         self._scale = 1.0
         self._since_round = 0  # optimizer steps since the global parameters came in
         self._steps = 0
+        relays = setup.topology if isinstance(setup.topology, RoundRelays) else None
+        self._relay = None if relays is None else relays.relay_of_rank[self.rank]
+        self._relayed = setup.remote_shards if self._relay is not None else frozenset()
+        if self._relayed:
+            # This worker exchanges nothing with other nodes itself: its relay does.
+            self.remote_shards = frozenset()
 
     @property
     def next_step(self) -> int:
@@ -193,6 +204,15 @@ class DilocoClient(ParamClient):
         self._advance(None if self._installed else previous, self._clock % 2)
         self._inflight = _InFlight(self._clock + 1, self._push(), time.perf_counter())
         self._installed = False
+
+    def _push_by_message(self, shard: int, delta: Any) -> Handle[Any]:
+        """Another node's shard's slice goes to this node's relay, if it has one."""
+        if shard not in self._relayed:
+            return super()._push_by_message(shard, delta)
+        assert self._relay is not None
+        return self._transport.call(
+            self._relay, "relay_push", self.model_id, self.rank, self._clock, shard, delta
+        )
 
     def _take_delta(self) -> None:
         """``delta = params - global`` into the push buffers; with

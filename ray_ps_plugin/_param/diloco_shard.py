@@ -11,16 +11,24 @@ those changes into the next global parameters:
   only then is any push of round k answered;
 - asynchronous rounds (staleness s >= 1): each change is applied as it arrives, a
   push of round k is answered once every worker has reached round k - s.
+
+In synchronous rounds across nodes, a node's first shard may also *relay* its
+node's rounds (:mod:`ray_ps_plugin._param.relay`): it sums the node's changes for
+another node's shard and sends that shard one message (:meth:`push_pull_many`).
 """
 
 from __future__ import annotations
+
+import asyncio
+from typing import Any
 
 import numpy as np
 import torch
 
 from ray_ps_plugin._errors import ShardProtocolError
 from ray_ps_plugin._param.outer import OuterState
-from ray_ps_plugin._param.shard import ParamShard, _ParamState
+from ray_ps_plugin._param.relay import RelayGroup
+from ray_ps_plugin._param.shard import ParamShard, Reply, _ParamState
 from ray_ps_plugin._types import Compression, OuterOptimizer
 
 __all__ = ["DilocoShard"]
@@ -55,6 +63,11 @@ class DilocoShard(ParamShard):
         super().__init__(shard_index, num_workers, staleness, timeout_s, compression)
         self._outer_args = (outer_optimizer, outer_lr, outer_momentum)
         self._outer: dict[int, OuterState] = {}
+        # As a relay (configure_relay): every shard, this node's workers, and the
+        # rounds being summed, by (model, owning shard, round).
+        self._peers: list[Any] = []
+        self._relayed: frozenset[int] = frozenset()
+        self._groups: dict[tuple[int, int, int], RelayGroup] = {}
 
     def _outer_state(self, model: int, state: _ParamState) -> OuterState:
         outer = self._outer.get(model)
@@ -117,12 +130,130 @@ class DilocoShard(ParamShard):
             raise ShardProtocolError(f"shard {self.shard_index}: model {model}: {e}") from None
 
     async def finish(self, model: int, rank: int) -> None:
-        """Marks a finished worker; a round it will not send is applied without it."""
+        """Marks a finished worker; a round it will not send is applied without it
+        (and, on a relay, sent on without it)."""
         self._check(model, rank)
         state = self._model(model)
         state.finished.add(rank)
         self._close_round(model, state)
+        for key, group in list(self._groups.items()):
+            if key[0] == model:
+                self._forward_if_complete(key, group, state)
         await super().finish(model, rank)
+
+    # --- node-level aggregation (synchronous rounds) ------------------------------
+    def configure_relay(self, peers: list[Any], ranks: list[int]) -> None:
+        """Makes this shard its node's relay: ``peers`` are every shard (in shard
+        order), ``ranks`` this node's workers."""
+        self._peers = list(peers)
+        self._relayed = frozenset(ranks)
+
+    async def relay_push(
+        self, model: int, rank: int, clock: int, owner: int, delta: np.ndarray
+    ) -> Reply:
+        """Takes one worker's change of round ``clock`` for shard ``owner``'s slice;
+        answers with ``owner``'s reply once the node's sum has been applied there.
+
+        Raises:
+            ShardProtocolError: This shard does not relay for ``rank``.
+            ShardTimeoutError: The node's other workers do not send, or the owner does
+                not answer, within the timeout.
+        """
+        self._check(model, rank)
+        if rank not in self._relayed or not 0 <= owner < len(self._peers):
+            raise ShardProtocolError(
+                f"shard {self.shard_index}: rank {rank} sent its round to this shard for "
+                f"shard {owner}, but this shard relays for ranks {sorted(self._relayed)} "
+                f"of {len(self._peers)} shards; the workers' topology differs from the "
+                "shards'."
+            )
+        state = self._model(model)
+        with self._queued():
+            params = await self._wait_initialised(state, model, rank)
+            key = (model, owner, clock)
+            group = self._groups.get(key)
+            if group is None:
+                group = self._groups[key] = RelayGroup()
+                group.answer = asyncio.get_running_loop().create_future()
+            group.add(rank, self._codec.decode(delta, params.dtype))
+            self._bytes_in += delta.nbytes
+            self._forward_if_complete(key, group, state)
+            where = (
+                f"shard {self.shard_index}: model {model}: relaying round {clock} to shard {owner}"
+            )
+            missing = sorted(self._relayed - state.finished - set(group.ranks))
+            reply: Reply = await group.wait(self.timeout_s, where, missing)
+            return reply
+
+    def _forward_if_complete(
+        self, key: tuple[int, int, int], group: RelayGroup, state: _ParamState
+    ) -> None:
+        """Sends the node's sum on once every worker of the node still training is in."""
+        if group.forwarding or not set(self._relayed - state.finished) <= set(group.ranks):
+            return
+        group.forwarding = True
+        asyncio.get_running_loop().create_task(self._forward(key, group, state.dtype))
+
+    async def _forward(self, key: tuple[int, int, int], group: RelayGroup, dtype: str) -> None:
+        model, owner, clock = key
+        assert group.total is not None and group.answer is not None
+        try:
+            total = self._codec.encode_np(group.total.numpy(), dtype)
+            self._bytes_out += total.nbytes
+            call = self._peers[owner].push_pull_many.remote(
+                model, sorted(group.ranks), clock, total
+            )
+            group.answer.set_result(await asyncio.wait_for(call, self.timeout_s))
+        except asyncio.TimeoutError:
+            group.answer.set_exception(
+                TimeoutError(f"shard {owner} did not answer within {self.timeout_s:g}s")
+            )
+        except Exception as e:  # every waiter of the node gets the owner's failure
+            group.answer.set_exception(e)
+        finally:
+            self._groups.pop(key, None)
+
+    async def push_pull_many(
+        self, model: int, ranks: list[int], clock: int, total: np.ndarray
+    ) -> Reply:
+        """:meth:`push_pull` for the sum of several workers' changes of round
+        ``clock``, sent by their node's relay.
+
+        Raises:
+            ShardProtocolError: The ranks' clocks disagree with ``clock`` (a round
+                missing or partly applied) or the slice's size differs.
+        """
+        for rank in ranks:
+            self._check(model, rank)
+        state = self._model(model)
+        with self._queued():
+            params = await self._wait_initialised(state, model, ranks[0])
+            last = [state.clocks[r] for r in ranks]
+            if all(c >= clock for c in last):
+                self._duplicates += 1
+            elif all(c == clock - 1 for c in last):
+                values = self._codec.decode(total, params.dtype)
+                if values.shape != params.shape:
+                    raise ShardProtocolError(
+                        f"shard {self.shard_index}: model {model}: a relay pushed "
+                        f"{list(values.shape)} elements for a slice of {list(params.shape)}; "
+                        "the workers' models differ."
+                    )
+                for rank in ranks:
+                    state.clocks[rank] = clock
+                outer = self._outer_state(model, state)
+                outer.add(values.to(torch.float32), clock, count=len(ranks))
+                self._close_round(model, state)
+                self._pushes += len(ranks)
+                self._bytes_in += total.nbytes
+                async with self._changed:
+                    self._changed.notify_all()
+            else:
+                raise ShardProtocolError(
+                    f"shard {self.shard_index}: model {model}: a relay pushed round {clock} "
+                    f"of ranks {ranks}, whose last rounds here are {last}."
+                )
+            return await self._read(state, model, ranks[0], clock)
 
     def stats(self) -> dict[str, object]:
         """The parameter shard's counters plus the rounds each model applied."""

@@ -89,12 +89,12 @@ class OuterState:
         """Changes received and not yet turned into a round."""
         return self._count
 
-    def add(self, delta: torch.Tensor, clock: int) -> None:
-        """Synchronous rounds: keeps one worker's change of round ``clock`` for
-        :meth:`close_round`."""
+    def add(self, delta: torch.Tensor, clock: int, count: int = 1) -> None:
+        """Synchronous rounds: keeps the change of round ``clock`` of one worker (or the
+        sum of ``count`` workers' changes, from a node's relay) for :meth:`close_round`."""
         self.collecting = clock
         self._sum.add_(delta)
-        self._count += 1
+        self._count += count
 
     def close_round(self, params: torch.Tensor) -> None:
         """Synchronous rounds: applies the mean of the changes received (a worker

@@ -1,7 +1,10 @@
 """Two simulated nodes: shards colocated with their workers, cross-node bytes
 counted, and sync PS still equal to DDP when the workers sit on different nodes —
 on the direct TCP path, through the object store, and with two workers per node
-summing on their node's relay first (a sparse table's rows beside, sent directly)."""
+summing on their node's relay first (a sparse table's rows beside, sent directly);
+DiLoCo's rounds through the same node's shard."""
+
+import math
 
 import pytest
 import ray
@@ -45,6 +48,8 @@ def runs(ray_cluster, tmp_path_factory, equivalence_ddp):
         "ddp4": _fit(storage, "ddp4", steps=4, scaling=four, sparse=True, strategy="ddp"),
         # server_placement="auto": one shard per node, which relays its two workers.
         "per_node": _fit(storage, "per_node", steps=4, scaling=four, sparse=True, chunk_bytes=4096),
+        # DiLoCo, a round every 2 steps: each node's shard relays its workers' rounds.
+        "diloco": _fit(storage, "diloco", steps=4, scaling=four, mode="diloco", local_steps=2),
     }
 
 
@@ -80,6 +85,19 @@ def test_two_workers_per_node_sum_on_their_node_first(runs):
     assert rows_out < m["ps_per_shard"][home]  # the dense chunks went to the relay
     ddp, ps = loops.load_state(runs["ddp4"]), loops.load_state(runs["per_node"])
     assert max((ddp[k].double() - ps[k].double()).abs().max().item() for k in ddp) <= 1e-5
+
+
+def test_diloco_rounds_cross_nodes_through_the_nodes_relay(runs):
+    """Rank 0 hands its change for the other node's shard to its own node's shard
+    (the relay), which alone sends the node's sum across: rank 0 counts no byte
+    across nodes. (That a relay's rounds are the rounds without one is
+    tests/unit/test_diloco.py's.)"""
+    m = runs["diloco"].metrics
+    home = m["ps_server_nodes"].index(m["worker_node"])
+    assert m["ps_mode"] == "diloco" and m["ps_steps"] == 4
+    assert m["ps_per_shard"][1 - home] > 0  # the other node's slice went to the relay
+    assert m["ps_cross_node"] == 0
+    assert math.isfinite(m["loss"])
 
 
 def test_cross_node_bytes_are_counted(runs):

@@ -1,14 +1,18 @@
 """DiLoCo: the outer optimizer's maths, and DilocoClient against real DilocoShards
 on a fake transport (no Ray)."""
 
+import dataclasses
 import threading
 
+import numpy as np
 import pytest
 import torch
 
+from ray_ps_plugin._errors import ShardProtocolError
 from ray_ps_plugin._param.diloco_client import DilocoClient
 from ray_ps_plugin._param.diloco_shard import DilocoShard
 from ray_ps_plugin._param.outer import OuterState
+from ray_ps_plugin._param.relay import RoundRelays
 from ray_ps_plugin._types import outer_learning_rate, staleness_bound
 from ray_ps_plugin.config import PSConfig
 from tests.unit.fakes import FakeTransport, LoopThread, Settings, setup_for
@@ -388,3 +392,82 @@ def test_overlapped_rounds_end_with_every_worker_on_the_global_parameters(loop, 
     torch.testing.assert_close(_flat(models[0]), _flat(models[1]), rtol=0, atol=0)
     assert torch.nn.functional.mse_loss(models[0](x), y).item() < before
     assert [c.snapshot().clock for c in clients] == [4, 4]  # steps 3, 6, 9 and 10
+
+
+# --- node-level aggregation -------------------------------------------------------------
+class _Peer:
+    """A shard as a relay sees another: ``peer.method.remote(...)`` is awaitable."""
+
+    def __init__(self, server):
+        self._server = server
+
+    def __getattr__(self, method):
+        call = getattr(self._server, method)
+        return type("Remote", (), {"remote": staticmethod(lambda *a: call(*a))})
+
+
+def _two_nodes(loop, *, relays, data, finish_early=None):
+    """4 workers and 2 shards on two nodes (ranks 0, 1 and shard 0 on one; ranks 2, 3
+    and shard 1 on the other), 3 local SGD steps a round; returns the shards, the
+    models and the transport's calls."""
+    world, shards = 4, 2
+    settings = Settings(mode="diloco", local_steps=3)
+    args = (0, 5.0, None, "nesterov", outer_learning_rate(settings), 0.9)
+    servers = [DilocoShard(i, world, *args) for i in range(shards)]
+    transport = FakeTransport(loop, servers)
+    node_of = [0, 0, 1, 1]
+    topology = RoundRelays(relay_of_rank=tuple(node_of)) if relays else None
+    if relays:
+        for s in range(shards):
+            servers[s].configure_relay(
+                [_Peer(x) for x in servers], [r for r in range(world) if node_of[r] == s]
+            )
+    models = _models(world)
+    clients = []
+    for r, m in enumerate(models):
+        setup = setup_for(m, r, world, shards, settings, [node_of[r]], {1 - node_of[r]})
+        clients.append(DilocoClient.build(dataclasses.replace(setup, topology=topology), transport))
+    for c in clients:
+        c._start()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in models]
+    _run_workers(models, clients, opts, data)
+    return servers, models, clients, transport.calls
+
+
+def test_a_nodes_relay_sends_one_sum_per_round_and_gives_the_same_rounds(loop):
+    """With relays each round crosses between the nodes as one message per shard
+    (from each node's relay), not one per worker, and every worker ends on the
+    parameters the rounds give without relays (fp32 sums in another order)."""
+    data = _data(4, 7)
+    _, direct_models, direct_clients, _ = _two_nodes(loop, relays=False, data=data)
+    servers, models, clients, calls = _two_nodes(loop, relays=True, data=data)
+    for m, ref in zip(models, direct_models):
+        torch.testing.assert_close(_flat(m), _flat(ref), rtol=0, atol=1e-6)
+    methods = [c[0] for c in calls]
+    # 3 rounds (steps 3, 6 and the last at finish), 4 workers: every change for the
+    # other node's shard goes to the worker's own node's shard.
+    assert methods.count("relay_push") == 12 and "push_pull" not in methods
+    assert all(c[1] == (0 if c[3] < 2 else 1) for c in calls if c[0] == "relay_push")
+    assert [s.stats()["rounds"] for s in servers] == [{0: 3}, {0: 3}]
+    # The relayed workers count no bytes across nodes: their relay sends them.
+    assert all(c.snapshot().bytes_cross_node == 0 for c in clients)
+    assert direct_clients[0].snapshot().bytes_cross_node > 0
+
+
+def test_a_relay_sends_on_without_a_finished_worker(loop):
+    """Rank 1 stops after one round; its node's relay sends rank 0's later rounds
+    alone instead of waiting for it."""
+    data = _data(4, 9)
+    data[1] = data[1][:3]
+    servers, _, clients, _ = _two_nodes(loop, relays=True, data=data)
+    assert clients[0].snapshot().clock == 3 and clients[1].snapshot().clock == 1
+    assert [s.stats()["rounds"] for s in servers] == [{0: 3}, {0: 3}]
+
+
+def test_a_relay_refuses_a_worker_of_another_node(loop):
+    settings = Settings(mode="diloco")
+    shard = DilocoShard(0, 2, 0, 5.0, None, "nesterov", outer_learning_rate(settings), 0.9)
+    shard.configure_relay([_Peer(shard)], [0])
+    loop.run(shard.init(0, np.zeros(4, np.float32))).result(5)
+    with pytest.raises(ShardProtocolError, match="relays for ranks \\[0\\]"):
+        loop.run(shard.relay_push(0, 1, 1, 0, np.zeros(4, np.float32))).result(5)

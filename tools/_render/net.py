@@ -28,6 +28,7 @@ NET_LABELS = {
     **{f"ps_diloco_h{h}": f"PS DiLoCo, `local_steps={h}`" for h in (1, 8, 32, 128)},
     "ps_diloco_h32_bf16": 'PS DiLoCo, `local_steps=32`, `compression="bf16"`',
     "ps_diloco_h32_overlap": "PS DiLoCo, `local_steps=32`, `diloco_overlap=True`",
+    "ps_diloco_h32_noagg": "PS DiLoCo, `local_steps=32`, `node_aggregation=False`",
     "compute": "compute only (no synchronisation)",
 }
 NET_BASES = {"ddp": "DDP", "ddp_bf16": "DDP + bf16 hook"}
