@@ -343,6 +343,22 @@ def test_a_restore_with_the_outer_state_continues_exactly(loop):
     torch.testing.assert_close(_flat(restored[0]), uninterrupted, rtol=0, atol=1e-6)
 
 
+def test_an_outer_state_loads_onto_another_number_of_workers_and_shards(loop):
+    """A checkpoint's outer state is one flat vector: 2 workers on 2 shards save it,
+    3 workers on 3 shards load it (cut at the new shards' bounds) and hold it whole."""
+    h = 2
+    _, models, clients = _setup(loop, 2, shards=2, shared=False, local_steps=h)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    _run_workers(models, clients, opts, _data(2, 2 * h), finish=False)
+    outer = clients[0].outer_state_dict()
+    _, _, bigger = _setup(loop, 3, shards=3, shared=False, local_steps=h)
+    for c in bigger:
+        c.load_outer_state_dict(outer)
+    loaded = bigger[1].outer_state_dict()
+    assert loaded["rounds"] == outer["rounds"] == 2
+    torch.testing.assert_close(loaded["momentum"], outer["momentum"], rtol=0, atol=0)
+
+
 def test_an_outer_state_of_another_model_is_refused(loop):
     _, _, clients = _setup(loop, 1, shards=1, shared=False)
     with pytest.raises(ValueError, match="belongs to another model"):
