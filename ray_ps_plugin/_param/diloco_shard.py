@@ -189,10 +189,11 @@ class DilocoShard(ParamShard):
         self, key: tuple[int, int, int], group: RelayGroup, state: _ParamState
     ) -> None:
         """Sends the node's sum on once every worker of the node still training is in."""
-        if group.forwarding or not set(self._relayed - state.finished) <= set(group.ranks):
+        if group.forward is not None or not self._relayed - state.finished <= set(group.ranks):
             return
-        group.forwarding = True
-        asyncio.get_running_loop().create_task(self._forward(key, group, state.dtype))
+        group.forward = asyncio.get_running_loop().create_task(
+            self._forward(key, group, state.dtype)
+        )
 
     async def _forward(self, key: tuple[int, int, int], group: RelayGroup, dtype: str) -> None:
         model, owner, clock = key

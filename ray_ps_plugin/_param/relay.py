@@ -94,13 +94,14 @@ class RelayGroup:
         total: The fp32 sum of the changes received so far.
         ranks: The workers whose change is in ``total``.
         answer: Set once the owner answered (or failed).
-        forwarding: Whether the sum is on its way to the owner.
+        forward: The task sending the sum to the owner, once started (held here
+            because the event loop keeps only a weak reference to a task).
     """
 
     total: torch.Tensor | None = None
     ranks: list[int] = field(default_factory=list)
     answer: asyncio.Future[Any] | None = None
-    forwarding: bool = False
+    forward: asyncio.Task[None] | None = None
 
     def add(self, rank: int, change: torch.Tensor) -> None:
         """Adds one worker's change (a retried delivery counts once)."""
