@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ray_ps_plugin._errors import ShardProtocolError
+from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
 from ray_ps_plugin._param.outer import OuterState
 from ray_ps_plugin._param.relay import RelayGroup
 from ray_ps_plugin._param.shard import ParamShard, Reply, _ParamState
@@ -178,11 +178,18 @@ class DilocoShard(ParamShard):
             group.add(rank, self._codec.decode(delta, params.dtype))
             self._bytes_in += delta.nbytes
             self._forward_if_complete(key, group, state)
-            where = (
-                f"shard {self.shard_index}: model {model}: relaying round {clock} to shard {owner}"
-            )
-            missing = sorted(self._relayed - state.finished - set(group.ranks))
-            reply: Reply = await group.wait(self.timeout_s, where, missing)
+            try:
+                reply: Reply = await group.wait(self.timeout_s)
+            except asyncio.TimeoutError:
+                # Named when the wait ends: workers that arrived meanwhile are not missing.
+                missing = sorted(self._relayed - state.finished - set(group.ranks))
+                raise ShardTimeoutError(
+                    f"shard {self.shard_index}: model {model}: relaying round {clock} to "
+                    f"shard {owner} waited {self.timeout_s:g}s (workers of this node that "
+                    f"had not sent their change: {missing}); a worker or the owning shard "
+                    "is stuck or dead. Raise PSConfig.ps_timeout_s if rounds are "
+                    "legitimately slower."
+                ) from None
             return reply
 
     def _forward_if_complete(
@@ -234,12 +241,7 @@ class DilocoShard(ParamShard):
                 self._duplicates += 1
             elif all(c == clock - 1 for c in last):
                 values = self._codec.decode(total, params.dtype)
-                if values.shape != params.shape:
-                    raise ShardProtocolError(
-                        f"shard {self.shard_index}: model {model}: a relay pushed "
-                        f"{list(values.shape)} elements for a slice of {list(params.shape)}; "
-                        "the workers' models differ."
-                    )
+                self._check_slice(model, "a relay", values, params)
                 for rank in ranks:
                     state.clocks[rank] = clock
                 outer = self._outer_state(model, state)

@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-from ray_ps_plugin._errors import ShardTimeoutError
 from ray_ps_plugin._types import RunSettings
 
 __all__ = ["RelayGroup", "RoundRelays", "connect_round_relays"]
@@ -113,19 +112,8 @@ class RelayGroup:
         else:
             self.total.add_(change)
 
-    async def wait(self, timeout_s: float, where: str, missing: list[int]) -> Any:
-        """The owner's answer, within ``timeout_s``.
-
-        Raises:
-            ShardTimeoutError: The node's other workers did not send, or the owner
-                did not answer, in time.
-        """
+    async def wait(self, timeout_s: float) -> Any:
+        """The owner's answer; raises ``asyncio.TimeoutError`` after ``timeout_s`` (the
+        shield keeps one waiter's timeout from cancelling the others' answer)."""
         assert self.answer is not None
-        try:
-            return await asyncio.wait_for(asyncio.shield(self.answer), timeout_s)
-        except asyncio.TimeoutError:
-            raise ShardTimeoutError(
-                f"{where} waited {timeout_s:g}s (workers of this node that had not sent "
-                f"their change: {missing}); a worker or the owning shard is stuck or "
-                "dead. Raise PSConfig.ps_timeout_s if rounds are legitimately slower."
-            ) from None
+        return await asyncio.wait_for(asyncio.shield(self.answer), timeout_s)

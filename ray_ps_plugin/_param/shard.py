@@ -283,12 +283,7 @@ class ParamShard(ShardBase):
             self._duplicates += 1  # a retried or duplicated delivery
         elif clock == last + 1:
             update = as_torch(delta) if isinstance(delta, np.ndarray) else delta
-            if update.shape != state.params.shape:
-                raise ShardProtocolError(
-                    f"shard {self.shard_index}: model {model}: rank {rank} pushed "
-                    f"{list(update.shape)} elements for a slice of "
-                    f"{list(state.params.shape)}; the workers' models differ."
-                )
+            self._check_slice(model, f"rank {rank}", update, state.params)
             state.clocks[rank] = clock
             self._apply(model, state, rank, update)
             self._pushes += 1
@@ -302,6 +297,17 @@ class ParamShard(ShardBase):
                 "are missing."
             )
         return await self._read(state, model, rank, clock, slot)
+
+    def _check_slice(
+        self, model: int, sender: str, update: torch.Tensor, params: torch.Tensor
+    ) -> None:
+        """Raises ``ShardProtocolError`` unless ``update`` has the slice's shape."""
+        if update.shape != params.shape:
+            raise ShardProtocolError(
+                f"shard {self.shard_index}: model {model}: {sender} pushed "
+                f"{list(update.shape)} elements for a slice of {list(params.shape)}; "
+                "the workers' models differ."
+            )
 
     def _apply(self, model: int, state: _ParamState, rank: int, update: torch.Tensor) -> None:
         """Applies one update of ``rank`` (its clock is already counted)."""
