@@ -175,12 +175,21 @@ class DilocoShard(ParamShard):
             if group is None:
                 group = self._groups[key] = RelayGroup()
                 group.answer = asyncio.get_running_loop().create_future()
+                # Waiters that timed out are gone; the failure is theirs, not a leak.
+                group.answer.add_done_callback(lambda f: f.cancelled() or f.exception())
             group.add(rank, self._codec.decode(delta, params.dtype))
             self._bytes_in += delta.nbytes
             self._forward_if_complete(key, group, state)
             try:
                 reply: Reply = await group.wait(self.timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
+                if group.answer is not None and group.answer.done():
+                    raise  # the owner's failure (its own timeout), as the relay got it
+                if group.forward is not None:  # the node's sum left: the owner is late
+                    raise ShardTimeoutError(
+                        f"shard {self.shard_index}: model {model}: relaying round {clock}: "
+                        f"shard {owner} did not answer within {self.timeout_s:g}s"
+                    ) from None
                 # Named when the wait ends: workers that arrived meanwhile are not missing.
                 missing = sorted(self._relayed - state.finished - set(group.ranks))
                 raise ShardTimeoutError(
@@ -214,7 +223,10 @@ class DilocoShard(ParamShard):
             group.answer.set_result(await asyncio.wait_for(call, self.timeout_s))
         except asyncio.TimeoutError:
             group.answer.set_exception(
-                TimeoutError(f"shard {owner} did not answer within {self.timeout_s:g}s")
+                ShardTimeoutError(
+                    f"shard {self.shard_index}: model {model}: relaying round {clock}: shard "
+                    f"{owner} did not answer within {self.timeout_s:g}s"
+                )
             )
         except Exception as e:  # every waiter of the node gets the owner's failure
             group.answer.set_exception(e)

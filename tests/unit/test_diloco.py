@@ -1,6 +1,7 @@
 """DiLoCo: the outer optimizer's maths, and DilocoClient against real DilocoShards
 on a fake transport (no Ray)."""
 
+import asyncio
 import dataclasses
 import threading
 
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from ray_ps_plugin._errors import ShardProtocolError
+from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
 from ray_ps_plugin._param.diloco_client import DilocoClient
 from ray_ps_plugin._param.diloco_shard import DilocoShard
 from ray_ps_plugin._param.outer import OuterState
@@ -487,3 +488,21 @@ def test_a_relay_refuses_a_worker_of_another_node(loop):
     loop.run(shard.init(0, np.zeros(4, np.float32))).result(5)
     with pytest.raises(ShardProtocolError, match="relays for ranks \\[0\\]"):
         loop.run(shard.relay_push(0, 1, 1, 0, np.zeros(4, np.float32))).result(5)
+
+
+def test_a_relay_whose_owner_does_not_answer_names_the_owner(loop):
+    """Every worker of the node sent; the owner never answers: the waiters get the
+    owner's timeout, not a list of missing workers."""
+
+    class Hung:
+        class push_pull_many:  # named as the Ray method
+            @staticmethod
+            def remote(*args):
+                return asyncio.sleep(60)
+
+    settings = Settings(mode="diloco")
+    shard = DilocoShard(0, 1, 0, 0.3, None, "nesterov", outer_learning_rate(settings), 0.9)
+    shard.configure_relay([shard, Hung()], [0])
+    loop.run(shard.init(0, np.zeros(4, np.float32))).result(5)
+    with pytest.raises(ShardTimeoutError, match=r"shard 1 did not answer within 0.3s"):
+        loop.run(shard.relay_push(0, 0, 1, 1, np.zeros(4, np.float32))).result(5)
