@@ -56,8 +56,8 @@ class DenseStream:
         lanes: Shards of this node reached through shared memory, by shard index.
         routes: Where the chunks of each owner shard go (see
             :class:`~ray_ps_plugin._sync.topology.Topology`).
-        direct: The direct data path, where the run sends dense chunks on it (then
-            the notices for this node's shards take it too).
+        direct: The run's direct data path, if it has one: chunks for other nodes'
+            shards and the notices for this node's take it.
     """
 
     def __init__(
@@ -126,7 +126,10 @@ class DenseStream:
             routes = [topology.route(setup.rank, s) for s in range(layout.num_shards)]
         else:
             routes = [Route(s, direct=s in setup.remote_shards) for s in range(layout.num_shards)]
-        return cls(setup, layout, transport, lanes, routes, transport.direct if direct else None)
+        # The notices to this node's shards take the direct path whenever the run
+        # has one, on one node too: a frame on an open socket costs a fraction of a
+        # Ray call and its reply. Only the layout depends on whether chunks cross.
+        return cls(setup, layout, transport, lanes, routes, transport.direct)
 
     @property
     def num_shards(self) -> int:

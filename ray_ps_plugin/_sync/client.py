@@ -105,8 +105,8 @@ class SumClient(ClientBase):
     def build(cls, setup: ClientSetup, transport: Transport) -> "SumClient":
         """Lays out the model's gradient stream and attaches the local shards."""
         # Every shard listens when the run has the direct path: dense chunks for
-        # other nodes go there, and so do the notices for this node's shards. On one
-        # node only the sparse rows take it.
+        # other nodes go there, and so do the notices for this node's shards and
+        # the sparse rows, on one node too.
         return cls(setup, DenseStream.build(setup, transport), transport, transport.direct)
 
     def bind(self, ddp: "DistributedDataParallel") -> None:

@@ -84,9 +84,9 @@ class Topology:
 
     @property
     def dense_direct(self) -> bool:
-        """Whether dense chunks and notices use the direct path: only across nodes.
-        On one node the path carries only sparse rows (the dense buckets go through
-        shared memory there, with the chunk sizes measured for it)."""
+        """Whether dense chunks cross nodes on the direct path, which cuts the
+        stream for it. On one node the chunks go through shared memory, cut as
+        measured for it; only their notices (and sparse rows) take the path."""
         return bool(self.addresses) and self.spans_nodes
 
     @property
