@@ -6,7 +6,9 @@ the shards only (:mod:`ray_ps_plugin._table_store`). ``prepare_model`` keeps its
 weight out of DDP and out of ``.to()``, and gives the layer a forward that:
 
 1. takes the batch's unique ids and pulls only those rows from the shards that own
-   them (one call per shard; in sync a pull waits for every earlier step's update);
+   them (read from the shared memory of this node's shards; one message per other
+   shard, a frame on the direct path where the run has one; in sync a pull waits
+   for every earlier step's update);
 2. computes the layer's output from them, as the layer would from the whole table;
 3. keeps the gradient of those rows when backward reaches them.
 
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 from ray_ps_plugin._errors import PSError
 from ray_ps_plugin._rows import row_bounds
 from ray_ps_plugin._shm import Segment, SegmentHandle
+from ray_ps_plugin._table_frames import pack_pull, pack_push
 from ray_ps_plugin._table_layers import Layer, is_sharded, meta_tables, optimizer_step_spec
 from ray_ps_plugin._table_store import PushEntry, TableSpec
 from ray_ps_plugin._transport import Handle, Transport, wait_all
@@ -131,14 +134,12 @@ class Table:
             # sync only after every worker's: the rows read next hold every step.
             owner.flush()
         by_message = [(s, sl) for s, sl in parts if s not in self.local]
-        handles = [
-            owner.transport.call(
-                s, "table_pull", self.ref.model, self.ref.index, owner.rank, self.clock, host[sl]
-            )
-            for s, sl in by_message
-        ]
+        handles = [owner.call_pull(s, self.ref.index, self.clock, host[sl]) for s, sl in by_message]
         pulled = owner.wait(handles, [s for s, _ in by_message], f"pulling rows of {self.name!r}")
-        answers = dict(zip((s for s, _ in by_message), pulled))
+        answers = {
+            s: a.view(np.float32).reshape(-1, self.spec.dim) if a.dtype == np.uint8 else a
+            for (s, _), a in zip(by_message, pulled)
+        }
         got = [
             self.local[s][1][host[sl] - self.local[s][0]] if s in self.local else answers[s]
             for s, sl in parts
@@ -332,12 +333,25 @@ class ShardedTables:
                 per_shard[s].append(entry)
         # One step in flight: a shard applies a worker's updates in clock order.
         self.flush()
-        self._inflight = [
-            self.transport.call(s, "table_push", self.model_id, self.rank, entries)
-            for s, entries in enumerate(per_shard)
-        ]
+        self._inflight = [self._call_push(s, entries) for s, entries in enumerate(per_shard)]
         pushed = sum(e[2].nbytes + e[3].nbytes for entries in per_shard for e in entries)
         self.count(pushed=pushed, pushes=len(self._inflight))
+
+    def call_pull(self, shard: int, table: int, clock: int, ids: np.ndarray) -> Handle[Any]:
+        """Asks ``shard`` for rows ``ids`` of ``table``: a frame on the direct path
+        where the run has one (across nodes a Ray call's arguments and reply go
+        through the object store), else a Ray call. Answers as bytes or as rows."""
+        direct = self.transport.direct
+        if direct is not None and direct.reaches(shard):
+            return direct.table_pull(shard, self.model_id, self.rank, pack_pull(table, clock, ids))
+        return self.transport.call(shard, "table_pull", self.model_id, table, self.rank, clock, ids)
+
+    def _call_push(self, shard: int, entries: list[PushEntry]) -> Handle[Any]:
+        """Sends ``shard`` this worker's step on its rows, by the same path as pulls."""
+        direct = self.transport.direct
+        if direct is not None and direct.reaches(shard):
+            return direct.table_push(shard, self.model_id, self.rank, pack_push(entries))
+        return self.transport.call(shard, "table_push", self.model_id, self.rank, entries)
 
     def wait(self, handles: Sequence[Handle[Any]], shards: Sequence[int], what: str) -> list[Any]:
         try:

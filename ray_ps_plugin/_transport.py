@@ -87,6 +87,14 @@ class DirectPath(Protocol):
         """Sends a step's packed sparse rows; the future holds the packed answer."""
         ...
 
+    def table_pull(self, shard: int, model: int, source: int, payload: Any) -> Handle[Any]:
+        """Asks for a sharded table's rows (a packed pull); the future holds them."""
+        ...
+
+    def table_push(self, shard: int, model: int, source: int, payload: Any) -> Handle[Any]:
+        """Sends a packed step on a model's sharded tables; the future holds the answer."""
+        ...
+
     def reaches(self, shard: int) -> bool:
         """Whether ``shard`` listens on the direct path."""
         ...

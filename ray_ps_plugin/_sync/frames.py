@@ -10,7 +10,9 @@ Frames (little-endian)::
 a *local push*: a worker's notice to a shard of its own node that chunks already lie
 in their shared-memory segment (the payload lists ``(key, numel, owner)`` of each as
 ``int64`` triples, owner ``-1`` for the shard itself; ``key`` is the first chunk's;
-the answer carries no data). As a Ray call, each such notice and its reply sit at
+the answer carries no data), or a sharded table's *pull* or *push*
+(``ray_ps_plugin._table_frames``; ``step`` is then the pusher's sequence number and
+``key`` :data:`TABLE_KEY`). As a Ray call, each such notice and its reply sit at
 the ends of every step's transfer, where a loaded machine pays more for them than
 for a frame on a socket already open. A push is matched to its answer by
 ``(model, step, key)``, unique per connection because a source pushes each chunk of
@@ -42,8 +44,12 @@ __all__ = [
     "HEADER_BYTES",
     "LOCAL",
     "PUSH",
+    "REQUESTS",
     "ROWS",
     "ROWS_KEY",
+    "TABLE_KEY",
+    "TABLE_PULL",
+    "TABLE_PUSH",
     "TOKEN_BYTES",
     "Frame",
     "FrameSender",
@@ -57,9 +63,13 @@ _HEADER = struct.Struct("<4sBBiqqiq")
 _MAGIC = b"PSW1"
 #: Size of a frame's header.
 HEADER_BYTES = _HEADER.size
-PUSH, ANSWER, ERROR, LOCAL, ROWS = 0, 1, 2, 3, 4
+PUSH, ANSWER, ERROR, LOCAL, ROWS, TABLE_PULL, TABLE_PUSH = 0, 1, 2, 3, 4, 5, 6
+#: The frames a pusher sends (the others are answers).
+REQUESTS = (PUSH, LOCAL, ROWS, TABLE_PULL, TABLE_PUSH)
 #: The key of a ``ROWS`` frame: one per model, step and shard (chunk keys are >= 0).
 ROWS_KEY = -1
+#: The key of a table frame, whose ``step`` is a number the pusher never repeats.
+TABLE_KEY = -2
 
 #: Element types a frame may name (the model's dtype; the payload is in the wire
 #: format the run's compression chooses), by their index in the header.
@@ -74,8 +84,10 @@ class Frame:
     """One frame's header.
 
     Attributes:
-        kind: ``PUSH``, ``ANSWER``, ``ERROR``, ``LOCAL`` or ``ROWS`` (the touched
-            rows of a model's sparse tables, packed by :func:`ray_ps_plugin._rows.pack`).
+        kind: ``PUSH``, ``ANSWER``, ``ERROR``, ``LOCAL``, ``ROWS`` (the touched
+            rows of a model's sparse tables, packed by :func:`ray_ps_plugin._rows.pack`),
+            ``TABLE_PULL`` or ``TABLE_PUSH`` (a sharded table's rows, see
+            :mod:`ray_ps_plugin._table_frames`).
         dtype: The model's dtype (an entry of :data:`DTYPES`).
         model: The prepared model's id.
         step: The synchronisation round.
@@ -107,11 +119,7 @@ class Frame:
     @classmethod
     def unpack(cls, raw: bytes | bytearray | memoryview) -> Frame:
         magic, kind, dtype, model, step, key, source, nbytes = _HEADER.unpack(raw)
-        if (
-            magic != _MAGIC
-            or kind not in (PUSH, ANSWER, ERROR, LOCAL, ROWS)
-            or dtype >= len(DTYPES)
-        ):
+        if magic != _MAGIC or kind not in (*REQUESTS, ANSWER, ERROR) or dtype >= len(DTYPES):
             raise ConnectionError("not a ray_ps_plugin frame: the stream is corrupt")
         if nbytes < 0:
             raise ConnectionError(f"frame with a negative size {nbytes}")

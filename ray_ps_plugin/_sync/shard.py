@@ -28,10 +28,11 @@ from ray_ps_plugin._errors import ShardLinkError, ShardProtocolError, ShardTimeo
 from ray_ps_plugin._rows import RowEntry, RowSums, pack, unpack
 from ray_ps_plugin._shard import ShardBase
 from ray_ps_plugin._shm import SegmentHandle
-from ray_ps_plugin._sync.frames import LOCAL, ROWS, Frame, unpack_local
+from ray_ps_plugin._sync.frames import LOCAL, ROWS, TABLE_PULL, TABLE_PUSH, Frame, unpack_local
 from ray_ps_plugin._sync.sums import ChunkSums, Slot
 from ray_ps_plugin._sync.topology import Topology
 from ray_ps_plugin._sync.wire import WireServer, WireStreams
+from ray_ps_plugin._table_frames import unpack_pull, unpack_push
 from ray_ps_plugin._types import Compression
 
 __all__ = ["SumShard"]
@@ -105,11 +106,19 @@ class SumShard(ShardBase):
     async def _on_frame(self, frame: Frame, payload: np.ndarray) -> np.ndarray:
         """A push that came on the direct data path: from a worker of another node
         that has no relay, or from another node's relay; or a local push, from a
-        worker of this node whose chunks lie in shared memory."""
+        worker of this node whose chunks lie in shared memory; or a worker's sparse
+        rows, or its pull or push of a sharded table's rows."""
         if frame.kind == ROWS:
             entries = unpack(payload)
             answers = await self.push_rows(frame.model, frame.step, frame.source, entries)
             return pack([(e[0], e[1], r, v, e[4]) for e, (r, v) in zip(entries, answers)])
+        if frame.kind == TABLE_PULL:
+            table, clock, ids = unpack_pull(payload)
+            rows = await self.table_pull(frame.model, table, frame.source, clock, ids)
+            return np.ascontiguousarray(rows, np.float32).view(np.uint8).reshape(-1)
+        if frame.kind == TABLE_PUSH:
+            steps = await self.table_push(frame.model, frame.source, unpack_push(payload))
+            return np.asarray(steps, "<i8").view(np.uint8)
         if frame.kind == LOCAL:
             chunks = unpack_local(payload)
             await self.push_local(frame.model, frame.step, frame.source, frame.dtype, chunks)

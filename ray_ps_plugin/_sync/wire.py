@@ -29,6 +29,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import hmac
+import itertools
 import logging
 import socket
 import threading
@@ -42,8 +43,12 @@ from ray_ps_plugin._sync.frames import (
     HEADER_BYTES,
     LOCAL,
     PUSH,
+    REQUESTS,
     ROWS,
     ROWS_KEY,
+    TABLE_KEY,
+    TABLE_PULL,
+    TABLE_PUSH,
     TOKEN_BYTES,
     Frame,
     FrameSender,
@@ -132,7 +137,7 @@ class WireServer:
             while True:
                 recv_exact(conn, memoryview(head))
                 frame = Frame.unpack(head)
-                if frame.kind not in (PUSH, LOCAL, ROWS):
+                if frame.kind not in REQUESTS:
                     raise ConnectionError(f"expected a push, got frame kind {frame.kind}")
                 payload = np.empty(frame.nbytes, np.uint8)
                 recv_exact(conn, payload.data)
@@ -320,6 +325,9 @@ class WireStreams:
         self._timeout_s = connect_timeout_s
         self._streams: dict[int, _Stream] = {}
         self._lock = threading.Lock()  # models of one process share the streams
+        # Table frames' ``step``: never repeated, so a pull or push is matched to
+        # its answer whatever the clocks (two pulls of one clock may be in flight).
+        self._table_frames = itertools.count()
 
     def push(
         self,
@@ -385,6 +393,27 @@ class WireStreams:
         """Sends a shard the step's touched rows of a model's sparse tables (packed by
         :func:`ray_ps_plugin._rows.pack`); the future holds the packed answer."""
         frame = Frame(ROWS, "float32", model, step, ROWS_KEY, source, payload.nbytes)
+        return self._stream(shard).push(frame, payload)
+
+    def table_pull(
+        self, shard: int, model: int, source: int, payload: np.ndarray
+    ) -> concurrent.futures.Future[np.ndarray]:
+        """Asks a shard for a sharded table's rows (packed by
+        :func:`ray_ps_plugin._table_frames.pack_pull`); the future holds them."""
+        return self._table_frame(shard, TABLE_PULL, model, source, payload)
+
+    def table_push(
+        self, shard: int, model: int, source: int, payload: np.ndarray
+    ) -> concurrent.futures.Future[np.ndarray]:
+        """Sends a shard one optimizer step on a model's sharded tables (packed by
+        :func:`ray_ps_plugin._table_frames.pack_push`); the future holds the answer."""
+        return self._table_frame(shard, TABLE_PUSH, model, source, payload)
+
+    def _table_frame(
+        self, shard: int, kind: int, model: int, source: int, payload: np.ndarray
+    ) -> concurrent.futures.Future[np.ndarray]:
+        step = next(self._table_frames)
+        frame = Frame(kind, "float32", model, step, TABLE_KEY, source, payload.nbytes)
         return self._stream(shard).push(frame, payload)
 
     def close(self, timeout_s: float = 5.0) -> None:

@@ -1,6 +1,7 @@
 """A fake transport: real shard objects on an in-process event loop, no Ray."""
 
 import asyncio
+import itertools
 import threading
 from concurrent.futures import Future
 
@@ -9,7 +10,17 @@ import torch
 
 from ray_ps_plugin._client import ClientSetup
 from ray_ps_plugin._param.shard import ParamShard, Reply
-from ray_ps_plugin._sync.frames import LOCAL, PUSH, ROWS, ROWS_KEY, Frame, pack_local
+from ray_ps_plugin._sync.frames import (
+    LOCAL,
+    PUSH,
+    ROWS,
+    ROWS_KEY,
+    TABLE_KEY,
+    TABLE_PULL,
+    TABLE_PUSH,
+    Frame,
+    pack_local,
+)
 from ray_ps_plugin._sync.wire import RemoteError
 from ray_ps_plugin._transport import wait_handles
 
@@ -58,6 +69,7 @@ class FakeDirect:
         self.loop = loop
         self.servers = servers
         self.frames: list[tuple[int, int, int]] = []  # (shard, kind, source)
+        self._table_frames = itertools.count()
 
     def reaches(self, shard: int) -> bool:
         return True
@@ -73,6 +85,17 @@ class FakeDirect:
 
     def push_rows(self, shard, model, step, source, payload) -> Future:
         frame = Frame(ROWS, "float32", model, step, ROWS_KEY, source, payload.nbytes)
+        return self._send(shard, frame, payload.copy(), None)
+
+    def table_pull(self, shard, model, source, payload) -> Future:
+        return self._table(shard, TABLE_PULL, model, source, payload)
+
+    def table_push(self, shard, model, source, payload) -> Future:
+        return self._table(shard, TABLE_PUSH, model, source, payload)
+
+    def _table(self, shard, kind, model, source, payload) -> Future:
+        step = next(self._table_frames)
+        frame = Frame(kind, "float32", model, step, TABLE_KEY, source, payload.nbytes)
         return self._send(shard, frame, payload.copy(), None)
 
     def _send(self, shard, frame, payload, into) -> Future:

@@ -32,6 +32,7 @@ LAYER_OF = {
     "_sparse": PIECES,
     "_rows": PIECES,
     "_table_store": PIECES,
+    "_table_frames": PIECES,
     "_table_optim": PIECES,
     "_table_checkpoint": PIECES,
     "_table_client": PIECES,

@@ -14,11 +14,14 @@ from ray_ps_plugin import _table_client, _table_store, _torch_compat
 from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
 from ray_ps_plugin._param.shard import ParamShard
 from ray_ps_plugin._rows import row_bounds
+from ray_ps_plugin._sync.frames import TABLE_PULL, TABLE_PUSH
+from ray_ps_plugin._sync.shard import SumShard
 from ray_ps_plugin._table_checkpoint import load_tables, save_tables
 from ray_ps_plugin._table_client import ShardedTables
+from ray_ps_plugin._table_frames import pack_pull, pack_push, unpack_pull, unpack_push
 from ray_ps_plugin._table_layers import check_tables, optimizer_step_spec, skipped_in_apply
 from ray_ps_plugin._table_store import TableSpec, TableStore, init_rows
-from tests.unit.fakes import FakeTransport, LoopThread, Settings, _copy
+from tests.unit.fakes import FakeDirect, FakeTransport, LoopThread, Settings, _copy
 
 SGD_1 = {"lr": 1.0, "maximize": 0.0}
 ADAM = {"lr": 0.01, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "maximize": 0.0}
@@ -632,9 +635,11 @@ def _read(transport, shards, index, rows):
     }
 
 
-def _build(loop, shards, seed, world=1, rank=0, servers=None, local=()):
+def _build(loop, shards, seed, world=1, rank=0, servers=None, local=(), direct=False):
     servers = servers or [ParamShard(s, world, None, 5.0) for s in range(shards)]
     transport = _TableTransport(loop, servers)
+    if direct:
+        transport.direct = FakeDirect(loop, servers)
     module = _Tables("meta")
     settings = Settings(mode="sync", ps_timeout_s=5.0)
     tables = ShardedTables(0, module, transport, settings, rank, world, shards, seed, local)
@@ -747,9 +752,17 @@ def test_sharded_layers_look_up_step_and_checkpoint_as_a_real_replica(loop, tmp_
         tables.close()
 
 
-def test_two_sync_workers_tables_step_as_ddp_averaging_their_gradients(loop):
-    servers = [ParamShard(s, 2, None, 5.0) for s in range(2)]
-    workers = [_build(loop, 2, 3, world=2, rank=r, servers=servers) for r in range(2)]
+@pytest.mark.parametrize("direct", [False, True], ids=["ray-calls", "direct-path"])
+def test_two_sync_workers_tables_step_as_ddp_averaging_their_gradients(loop, direct):
+    """Through Ray calls, or (a sync run's sync shards) as frames on the direct path."""
+    servers = (
+        [SumShard(s, 2, 5.0) for s in range(2)]
+        if direct
+        else [ParamShard(s, 2, None, 5.0) for s in range(2)]
+    )
+    workers = [
+        _build(loop, 2, 3, world=2, rank=r, servers=servers, direct=direct) for r in range(2)
+    ]
     live = [{t.ref: t for t in w[2].tables} for w in workers]
 
     def use(rank):
@@ -777,9 +790,38 @@ def test_two_sync_workers_tables_step_as_ddp_averaging_their_gradients(loop):
             _assert_rows(workers[0][1], 2, replica, step + 1)
         module, _, _ = use(1)
         _assert_same_lookups(module, replica, _INPUTS[0])
+        for _, transport, _ in workers:
+            pulls_and_pushes = [c for c in transport.calls if c[0] in ("table_pull", "table_push")]
+            kinds = {f[1] for f in transport.direct.frames} if direct else set()
+            if direct:  # every pull and push a frame, none a Ray call
+                assert not pulls_and_pushes and kinds == {TABLE_PULL, TABLE_PUSH}
+            else:
+                assert pulls_and_pushes
     finally:
         for _, _, tables in workers:
             tables.close()
+
+
+def test_table_pulls_and_pushes_pack_into_frames_and_back():
+    ids = _ids(3, 4, 9)
+    table, clock, got = unpack_pull(pack_pull(2, 7, ids))
+    assert (table, clock) == (2, 7) and np.array_equal(got, ids)
+    entries = [
+        (0, 3, ids, np.arange(6, dtype=np.float32).reshape(3, 2), "sparse_adam", ADAM, True),
+        (1, 3, _ids(), np.empty((0, 5), np.float32), "sgd", {"lr": 0.1, "maximize": 1.0}, False),
+    ]
+    back = unpack_push(pack_push(entries))
+    for want, have in zip(entries, back, strict=True):
+        assert want[:2] == have[:2] and want[4:] == have[4:]
+        np.testing.assert_array_equal(want[2], have[2])
+        np.testing.assert_array_equal(want[3], have[3])
+    assert back[0][5]["eps"] == ADAM["eps"]  # floats exact through JSON
+    raw = pack_push(entries)
+    for bad in (raw[:-4], np.concatenate([raw, np.zeros(8, np.uint8)]), raw[:12]):
+        with pytest.raises(ShardProtocolError, match="table push"):
+            unpack_push(bad)
+    with pytest.raises(ShardProtocolError, match="table pull"):
+        unpack_pull(np.zeros(12, np.uint8))
 
 
 def test_a_table_no_backward_reached_keeps_torchs_step_count(loop):
