@@ -73,7 +73,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "ddp": {"strategy": "ddp"},
     "ps_sync": {"strategy": "ps", "mode": "sync"},
     "ps_sync_bf16": {"strategy": "ps", "mode": "sync", "compression": "bf16"},
+    # One shard per node (W x N messages a step instead of W x W; fewer processes).
     "ps_sync_node": {"strategy": "ps", "mode": "sync", "server_placement": "node"},
+    "ps_sync_node_bf16": {
+        "strategy": "ps",
+        "mode": "sync",
+        "server_placement": "node",
+        "compression": "bf16",
+    },
     # The tables built on the meta device: sharded over the shards, held by no worker.
     "ps_sync_sharded": {"strategy": "ps", "mode": "sync"},
     "ps_async_sharded": {"strategy": "ps", "mode": "async"},
