@@ -477,11 +477,13 @@ def test_the_step_spec_reads_the_groups_hyperparameters_at_each_step():
     "make",
     [
         lambda p: torch.optim.Adam([p]),
+        # transformers.Trainer's default optimizer.
+        lambda p: torch.optim.AdamW([p]),
         lambda p: torch.optim.SGD([p], lr=0.1, momentum=0.9),
         lambda p: torch.optim.SGD([p], lr=0.1, weight_decay=0.01),
         lambda p: torch.optim.Adagrad([p], weight_decay=0.1),
     ],
-    ids=["adam", "sgd-momentum", "sgd-weight-decay", "adagrad-weight-decay"],
+    ids=["adam", "adamw", "sgd-momentum", "sgd-weight-decay", "adagrad-weight-decay"],
 )
 def test_the_step_spec_refuses_what_the_shards_cannot_apply_and_names_sparse_adam(make):
     opt = make(_param())
