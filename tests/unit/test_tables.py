@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ray_ps_plugin import _table_client, _table_store, _torch_compat
-from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
+from ray_ps_plugin._errors import PSError, ShardProtocolError, ShardTimeoutError
 from ray_ps_plugin._param.shard import ParamShard
 from ray_ps_plugin._rows import row_bounds
 from ray_ps_plugin._sync.frames import TABLE_PULL, TABLE_PUSH
@@ -898,5 +898,19 @@ def test_a_step_refused_for_one_table_leaves_every_table_as_it_was(loop):
         ref_opt.step()
         tables.flush()
         _assert_same_lookups(module, replica, _INPUTS[0])
+    finally:
+        tables.close()
+
+
+def test_a_shard_refusing_a_direct_path_pull_fails_it_naming_the_shard(loop):
+    """A refusal that comes back as an error frame is a PSError naming the shard and
+    carrying the shard's reason, as through a Ray call."""
+    servers = [SumShard(s, 1, 5.0) for s in range(2)]
+    _, _, tables = _build(loop, 2, seed=3, servers=servers, direct=True)
+    try:
+        lo, hi = row_bounds(20, 2)[1:]  # shard 1's rows, asked of shard 0
+        handle = tables.call_pull(0, 0, 0, np.arange(lo, hi, dtype=np.int64))
+        with pytest.raises(PSError, match=r"shard\(s\) \[0\].*rows outside \[0, 10\)"):
+            tables.wait([handle], [0], "pulling")
     finally:
         tables.close()
