@@ -186,10 +186,7 @@ class DilocoShard(ParamShard):
                 if group.answer is not None and group.answer.done():
                     raise  # the owner's failure (its own timeout), as the relay got it
                 if group.forward is not None:  # the node's sum left: the owner is late
-                    raise ShardTimeoutError(
-                        f"shard {self.shard_index}: model {model}: relaying round {clock}: "
-                        f"shard {owner} did not answer within {self.timeout_s:g}s"
-                    ) from None
+                    raise self._owner_late(key) from None
                 # Named when the wait ends: workers that arrived meanwhile are not missing.
                 missing = sorted(self._relayed - state.finished - set(group.ranks))
                 raise ShardTimeoutError(
@@ -222,16 +219,20 @@ class DilocoShard(ParamShard):
             )
             group.answer.set_result(await asyncio.wait_for(call, self.timeout_s))
         except asyncio.TimeoutError:
-            group.answer.set_exception(
-                ShardTimeoutError(
-                    f"shard {self.shard_index}: model {model}: relaying round {clock}: shard "
-                    f"{owner} did not answer within {self.timeout_s:g}s"
-                )
-            )
+            group.answer.set_exception(self._owner_late(key))
         except Exception as e:  # every waiter of the node gets the owner's failure
             group.answer.set_exception(e)
         finally:
             self._groups.pop(key, None)
+
+    def _owner_late(self, key: tuple[int, int, int]) -> ShardTimeoutError:
+        """The error of a relayed round whose owner did not answer in time: the
+        forward's own, and the waiters' when their timer (started first) ends first."""
+        model, owner, clock = key
+        return ShardTimeoutError(
+            f"shard {self.shard_index}: model {model}: relaying round {clock}: shard "
+            f"{owner} did not answer within {self.timeout_s:g}s"
+        )
 
     async def push_pull_many(
         self, model: int, ranks: list[int], clock: int, total: np.ndarray
