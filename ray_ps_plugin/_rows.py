@@ -13,11 +13,12 @@ import asyncio
 from dataclasses import dataclass, field
 
 import numpy as np
+import numpy.typing as npt
 
 from ray_ps_plugin._dtypes import BF16_BITS, MODEL_DTYPES
 from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
 
-__all__ = ["RowEntry", "RowSums", "pack", "row_bounds", "sum_rows", "unpack"]
+__all__ = ["ByteReader", "RowEntry", "RowSums", "pack", "row_bounds", "sum_rows", "unpack"]
 
 #: One table's rows in a message: ``(table, span, indices, values, dtype)``, the
 #: table's index, the row range ``(first, end)`` of the shard, sorted unique int64 row
@@ -68,31 +69,62 @@ def pack(entries: list[RowEntry]) -> np.ndarray:
     return np.concatenate(parts)
 
 
+class ByteReader:
+    """Typed views taken one after another from a message's bytes (no copies): the
+    reading end of :func:`pack` and of the sharded tables' frames.
+
+    Args:
+        payload: The message, ``uint8``.
+    """
+
+    def __init__(self, payload: np.ndarray) -> None:
+        self._payload = payload
+        self._at = 0
+
+    def take(self, dtype: npt.DTypeLike, count: int) -> np.ndarray:
+        """The next ``count`` values of ``dtype``.
+
+        Raises:
+            ValueError: If fewer bytes are left (or ``count`` is negative).
+        """
+        dt = np.dtype(dtype)
+        end = self._at + count * dt.itemsize
+        if count < 0 or end > self._payload.nbytes:
+            raise ValueError(
+                f"{count} values of {dt} wanted at byte {self._at} of {self._payload.nbytes}"
+            )
+        out = self._payload[self._at : end].view(dt)
+        self._at = end
+        return out
+
+    @property
+    def left(self) -> int:
+        """Bytes not taken yet."""
+        return self._payload.nbytes - self._at
+
+
 def unpack(payload: np.ndarray) -> list[RowEntry]:
     """The row entries :func:`pack` wrote (views into ``payload``).
 
     Raises:
         ShardProtocolError: If the bytes are not whole entries.
     """
+    reader = ByteReader(payload)
     try:
-        (count,) = payload[:8].view("<i8")
-        head = payload[8 : 8 * (1 + _FIELDS * int(count))].view("<i8").reshape(-1, _FIELDS)
-        at = 8 * (1 + _FIELDS * int(count))
+        (count,) = reader.take("<i8", 1)
+        head = reader.take("<i8", _FIELDS * int(count)).reshape(-1, _FIELDS)
         out: list[RowEntry] = []
         for table, lo, hi, n, row_numel, dtype, value_dtype in head.tolist():
-            vdt = _VALUE_DTYPES[value_dtype]
-            indices = payload[at : at + 8 * n].view("<i8")
-            at += 8 * n
-            values = payload[at : at + n * row_numel * vdt.itemsize].view(vdt)
-            at += n * row_numel * vdt.itemsize
+            indices = reader.take("<i8", n)
+            values = reader.take(_VALUE_DTYPES[value_dtype], n * row_numel)
             out.append(
                 (table, (lo, hi), indices, values.reshape(n, row_numel), MODEL_DTYPES[dtype])
             )
     except (ValueError, IndexError) as e:
         raise ShardProtocolError(f"a frame of sparse rows is malformed: {e}") from None
-    if at != payload.nbytes:
+    if reader.left:
         raise ShardProtocolError(
-            f"a frame of sparse rows has {payload.nbytes - at} bytes after its entries"
+            f"a frame of sparse rows has {reader.left} bytes after its entries"
         )
     return out
 

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ray_ps_plugin._errors import ShardProtocolError
+from ray_ps_plugin._rows import ByteReader
 from ray_ps_plugin._table_optim import OPTIMIZERS
 from ray_ps_plugin._table_store import PushEntry
 
@@ -84,25 +85,23 @@ def unpack_push(payload: np.ndarray) -> list[PushEntry]:
     Raises:
         ShardProtocolError: If the payload is not whole entries.
     """
+    reader = ByteReader(payload)
     try:
-        (size,) = payload[:8].view("<i8")
-        at = 8 + 8 * -(-int(size) // 8)
-        meta = json.loads(payload[8 : 8 + int(size)].tobytes())
+        (size,) = reader.take("<i8", 1)
+        meta = json.loads(reader.take(np.uint8, 8 * -(-int(size) // 8))[: int(size)].tobytes())
         out: list[PushEntry] = []
         for m in meta:
             n, dim = int(m["rows"]), int(m["dim"])
             if m["optimizer"] not in OPTIMIZERS or n < 0 or dim < 0:
                 raise ValueError(f"bad entry {m}")
-            ids = payload[at : at + 8 * n].view("<i8")
-            at += 8 * n
-            grads = payload[at : at + 4 * n * dim].view("<f4").reshape(n, dim)
-            at += 4 * n * dim
+            ids = reader.take("<i8", n)
+            grads = reader.take("<f4", n * dim).reshape(n, dim)
             hyper = {str(k): float(v) for k, v in m["hyper"].items()}
             out.append(
                 (int(m["table"]), int(m["clock"]), ids, grads, m["optimizer"], hyper, m["touched"])
             )
     except (ValueError, KeyError, TypeError, IndexError) as e:
         raise ShardProtocolError(f"a table push is malformed: {e}") from None
-    if at != payload.nbytes:
-        raise ShardProtocolError(f"a table push has {payload.nbytes - at} bytes after its entries")
+    if reader.left:
+        raise ShardProtocolError(f"a table push has {reader.left} bytes after its entries")
     return out
