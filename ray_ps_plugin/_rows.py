@@ -1,15 +1,22 @@
 """Rows of embedding tables with sparse gradients: how they are split and summed.
 
 A table whose layer builds sparse gradients (``nn.Embedding`` / ``nn.EmbeddingBag``
-with ``sparse=True``) is split by rows across the shards: shard ``s`` owns rows
-``[bounds[s], bounds[s + 1])``. A worker sends each owner only the rows its batch
-touched (coalesced indices and their values); the owner answers with the union of
-the rows every worker touched. Nothing here imports torch: shard processes use it.
+with ``sparse=True``) is split by rows across the ``S`` shards: row ``r`` belongs to
+shard ``r % S``. Interleaved rather than in ranges because ids are often numbered by
+frequency (a vocabulary's most frequent entries first): ranges would give one shard
+the hot rows and its node's link most of the traffic. A worker sends each owner only
+the rows its batch touched (coalesced indices and their values); the owner answers
+with the union of the rows every worker touched. Nothing here imports torch: shard
+processes use it.
+
+Sharded tables (``_table_store``) keep ranges (:func:`row_bounds`): their shards
+initialise and checkpoint the table by blocks of rows.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,14 +27,14 @@ from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
 
 __all__ = ["ByteReader", "RowEntry", "RowSums", "pack", "row_bounds", "sum_rows", "unpack"]
 
-#: One table's rows in a message: ``(table, span, indices, values, dtype)``, the
-#: table's index, the row range ``(first, end)`` of the shard, sorted unique int64 row
-#: indices, their ``(n, row_numel)`` values (encoded) and the table's dtype.
+#: One table's rows in a message: ``(table, split, indices, values, dtype)``, the
+#: table's index, ``(rows, shards)`` as the sender split the table, sorted unique
+#: int64 row indices, their ``(n, row_numel)`` values (encoded) and the table's dtype.
 RowEntry = tuple[int, tuple[int, int], np.ndarray, np.ndarray, str]
 
 # The element types values travel in (bfloat16 as int16 bit patterns).
 _VALUE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), BF16_BITS, np.dtype(np.float64))
-_FIELDS = 7  # table, first, end, rows, row_numel, dtype, value dtype
+_FIELDS = 7  # table, table rows, shards, rows sent, row_numel, dtype, value dtype
 
 
 def row_bounds(num_rows: int, num_shards: int) -> list[int]:
@@ -59,9 +66,9 @@ def pack(entries: list[RowEntry]) -> np.ndarray:
     """The bytes of a list of row entries, for a frame on the direct data path: a
     header of int64 fields, then each entry's indices and values."""
     head = [len(entries)]
-    for table, (lo, hi), indices, values, dtype in entries:
+    for table, (rows, shards), indices, values, dtype in entries:
         row_numel = int(np.prod(values.shape[1:]))
-        head += [table, lo, hi, len(indices), row_numel, MODEL_DTYPES.index(dtype)]
+        head += [table, rows, shards, len(indices), row_numel, MODEL_DTYPES.index(dtype)]
         head.append(_VALUE_DTYPES.index(values.dtype))
     parts = [np.asarray(head, "<i8").view(np.uint8)]
     for _, _, indices, values, _ in entries:
@@ -114,11 +121,11 @@ def unpack(payload: np.ndarray) -> list[RowEntry]:
         (count,) = reader.take("<i8", 1)
         head = reader.take("<i8", _FIELDS * int(count)).reshape(-1, _FIELDS)
         out: list[RowEntry] = []
-        for table, lo, hi, n, row_numel, dtype, value_dtype in head.tolist():
+        for table, rows, shards, n, row_numel, dtype, value_dtype in head.tolist():
             indices = reader.take("<i8", n)
             values = reader.take(_VALUE_DTYPES[value_dtype], n * row_numel)
             out.append(
-                (table, (lo, hi), indices, values.reshape(n, row_numel), MODEL_DTYPES[dtype])
+                (table, (rows, shards), indices, values.reshape(n, row_numel), MODEL_DTYPES[dtype])
             )
     except (ValueError, IndexError) as e:
         raise ShardProtocolError(f"a frame of sparse rows is malformed: {e}") from None
@@ -131,10 +138,10 @@ def unpack(payload: np.ndarray) -> list[RowEntry]:
 
 @dataclass
 class _RowRound:
-    """One table's rows of one step on one shard, until every worker has them."""
+    """One table's rows of one step on one shard, until every source has sent them."""
 
-    span: tuple[int, int]  # the rows this shard owns, as the first worker sent them
-    indices: dict[int, np.ndarray] = field(default_factory=dict)  # by rank
+    split: tuple[int, int]  # (table rows, shards), as the first worker split the table
+    indices: dict[int, np.ndarray] = field(default_factory=dict)  # by source
     values: dict[int, np.ndarray] = field(default_factory=dict)
     answered: set[int] = field(default_factory=set)
     result: tuple[np.ndarray, np.ndarray] | None = None
@@ -148,38 +155,55 @@ class RowSums:
         shard_index: The shard's index (error messages).
         num_workers: Workers whose rows make up one step.
         timeout_s: How long a worker's rows wait for the other workers'.
+        describe: A source id in words (error messages); by default a rank.
+
+    Attributes:
+        sources: The senders whose rows complete a table's step: every worker, or,
+            where nodes relay (``_sync.topology``), this node's workers and the other
+            nodes' relays. Their sums are added in the order of their ids.
     """
 
-    def __init__(self, shard_index: int, num_workers: int, timeout_s: float) -> None:
+    def __init__(
+        self,
+        shard_index: int,
+        num_workers: int,
+        timeout_s: float,
+        describe: Callable[[int], str] | None = None,
+    ) -> None:
         self.shard_index = shard_index
-        self.num_workers = num_workers
+        self.sources = frozenset(range(num_workers))
         self.timeout_s = timeout_s
+        self._describe = describe or (lambda source: f"worker {source}")
         self._rounds: dict[tuple[int, int, int], _RowRound] = {}
 
     def _check(
         self,
         round_: _RowRound,
         table: int,
-        span: tuple[int, int],
+        split: tuple[int, int],
         indices: np.ndarray,
         values: np.ndarray,
     ) -> None:
-        lo, hi = round_.span
+        rows, shards = round_.split
         where = f"shard {self.shard_index}: sparse table {table}"
-        if (lo, hi) != span:
+        if (rows, shards) != split:
             raise ShardProtocolError(
-                f"{where}: one worker sent rows [{lo}, {hi}) for this shard, another "
-                f"[{span[0]}, {span[1]}); the workers disagree on the table's size."
+                f"{where}: one worker split a table of {rows} rows over {shards} shards, "
+                f"another {split[0]} rows over {split[1]}; the workers disagree on the "
+                "table's size or on the number of shards."
             )
         if indices.ndim != 1 or indices.dtype != np.int64 or len(values) != len(indices):
             raise ShardProtocolError(
                 f"{where}: expected int64 row indices and one row of values per index, got "
                 f"indices {indices.dtype}{indices.shape} and values {values.shape}."
             )
-        if indices.size and (indices[0] < lo or indices[-1] >= hi):
+        if indices.size and (
+            indices[0] < 0 or indices[-1] >= rows or np.any(indices % shards != self.shard_index)
+        ):
             raise ShardProtocolError(
-                f"{where}: rows outside this shard's range [{lo}, {hi}); the workers "
-                "disagree on the table's size or on the number of shards."
+                f"{where}: rows that are not this shard's (row r belongs to shard "
+                f"r % {shards}, within {rows} rows); the workers disagree on the table's "
+                "size or on the number of shards."
             )
 
     async def push(
@@ -188,33 +212,42 @@ class RowSums:
         step: int,
         table: int,
         rank: int,
-        span: tuple[int, int],
+        split: tuple[int, int],
         indices: np.ndarray,
         values: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Adds one worker's rows; returns every worker's summed rows once all sent theirs.
+        """Adds one source's rows; returns every worker's summed rows once every
+        source sent theirs.
 
         Args:
             model: The prepared model's id.
             step: The worker's synchronisation round.
             table: The table's index among the model's sparse tables.
-            rank: The sending worker's world rank.
-            span: The rows this shard owns, ``(first, end)``, as the worker split
-                the table (every worker must send the same).
-            indices: Sorted, unique row indices in this shard's range (may be empty).
+            rank: The sender: a worker's world rank, or a relay's source id (it has
+                summed its node's workers' rows).
+            split: ``(rows, shards)``, the table's size and the number of shards as
+                the worker split it (every worker must send the same).
+            indices: Sorted, unique row indices of this shard (may be empty).
             values: Their values, already divided by the world size.
 
         Raises:
-            ShardTimeoutError: If the other workers do not send within the timeout.
-            ShardProtocolError: If the rows do not belong to this shard.
+            ShardTimeoutError: If the other sources do not send within the timeout.
+            ShardProtocolError: If the rows do not belong to this shard, or the sender
+                is not one of its sources.
         """
+        if rank not in self.sources:
+            raise ShardProtocolError(
+                f"shard {self.shard_index}: sparse table {table}: {self._describe(rank)} "
+                "does not send rows to this shard itself; the workers disagree on the "
+                "topology."
+            )
         key = (model, table, step)
-        span = (int(span[0]), int(span[1]))
-        round_ = self._rounds.setdefault(key, _RowRound(span=span))
-        self._check(round_, table, span, indices, values)
+        split = (int(split[0]), int(split[1]))
+        round_ = self._rounds.setdefault(key, _RowRound(split=split))
+        self._check(round_, table, split, indices, values)
         if rank not in round_.indices:
             round_.indices[rank], round_.values[rank] = indices, values
-            if len(round_.indices) == self.num_workers:
+            if len(round_.indices) == len(self.sources):
                 ranks = sorted(round_.indices)
                 round_.result = sum_rows(
                     [round_.indices[r] for r in ranks], [round_.values[r] for r in ranks]
@@ -224,15 +257,17 @@ class RowSums:
             await asyncio.wait_for(round_.done.wait(), self.timeout_s)
         except asyncio.TimeoutError:
             self._rounds.pop(key, None)
-            missing = sorted(set(range(self.num_workers)) - set(round_.indices))
+            missing = ", ".join(
+                self._describe(s) for s in sorted(self.sources - set(round_.indices))
+            )
             raise ShardTimeoutError(
                 f"shard {self.shard_index}: model {model}: step {step}, sparse table "
-                f"{table} waited {self.timeout_s:g}s for the rows of worker(s) {missing}; a "
+                f"{table} waited {self.timeout_s:g}s for the rows of {missing}; a "
                 "worker is stuck, dead or its model differs. Raise PSConfig.ps_timeout_s "
                 "if steps are slow."
             ) from None
         assert round_.result is not None
         round_.answered.add(rank)
-        if len(round_.answered) == self.num_workers:
+        if len(round_.answered) == len(self.sources):
             self._rounds.pop(key, None)
         return round_.result

@@ -4,7 +4,7 @@ DDP gives each parameter of an ``nn.Embedding`` / ``nn.EmbeddingBag`` built with
 ``sparse=True`` a bucket of its own and hands the communication hook its gradient as
 a sparse COO tensor; the tensor the hook returns becomes ``param.grad``. Such a
 gradient travels as its touched rows only (see :mod:`ray_ps_plugin._rows` for the
-split by rows across the shards).
+split of rows across the shards).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import numpy as np
 import torch
 
 from ray_ps_plugin._codec import Codec, as_torch
-from ray_ps_plugin._rows import row_bounds
 
 __all__ = ["SparseTable", "assemble", "sparse_params"]
 
@@ -39,6 +38,8 @@ def sparse_params(module: torch.nn.Module) -> list[torch.Tensor]:
 class SparseTable:
     """One sparse table of a model: its index, its size and its split by rows.
 
+    Row ``r`` belongs to shard ``r % num_shards`` (see :mod:`ray_ps_plugin._rows`).
+
     Args:
         index: The table's index among the model's sparse tables (the same on every
             worker, as ``parameters()`` order is).
@@ -50,38 +51,42 @@ class SparseTable:
         self.index = index
         self.shape = tuple(param.shape)
         self.dtype = param.dtype
-        self.bounds = row_bounds(self.shape[0], num_shards)
+        self.num_shards = num_shards
 
     @property
     def dtype_name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
 
+    @property
+    def split_key(self) -> tuple[int, int]:
+        """``(rows, shards)``: what every worker's split must agree on."""
+        return (self.shape[0], self.num_shards)
+
     def split(
         self, grad: torch.Tensor, scale: float, codec: Codec
-    ) -> list[tuple[int, tuple[int, int], np.ndarray, np.ndarray]]:
+    ) -> list[tuple[int, np.ndarray, np.ndarray]]:
         """The touched rows of a sparse gradient, scaled and encoded, shard by shard.
 
         Returns:
-            ``(shard, span, indices, values)`` for every shard, an empty pair of
-            arrays where the gradient touches none of the shard's rows (the shard
-            still waits for every worker).
+            ``(shard, indices, values)`` for every shard, the indices sorted; an empty
+            pair of arrays where the gradient touches none of the shard's rows (the
+            shard still waits for every worker).
         """
         g = grad.coalesce()
         indices = g.indices()[0].cpu().numpy()
         values = g.values() * scale
-        cuts = np.searchsorted(indices, self.bounds)
-        out = []
-        for s in range(len(self.bounds) - 1):
-            lo, hi = int(cuts[s]), int(cuts[s + 1])
-            out.append(
-                (
-                    s,
-                    (self.bounds[s], self.bounds[s + 1]),
-                    indices[lo:hi],
-                    codec.encode(values[lo:hi]),
-                )
-            )
-        return out
+        if self.num_shards == 1:
+            return [(0, indices, codec.encode(values))]
+        owner = indices % self.num_shards
+        # A stable sort by owner keeps each shard's rows sorted.
+        order = np.argsort(owner, kind="stable")
+        cuts = np.searchsorted(owner[order], np.arange(self.num_shards + 1))
+        indices = indices[order]
+        values = values[as_torch(order).to(values.device)]
+        return [
+            (s, indices[lo:hi], codec.encode(values[lo:hi]))
+            for s, (lo, hi) in enumerate(zip(cuts[:-1].tolist(), cuts[1:].tolist()))
+        ]
 
 
 def assemble(
@@ -92,19 +97,22 @@ def assemble(
 ) -> torch.Tensor:
     """The summed sparse gradient from every shard's ``(rows, sums)``, coalesced.
 
-    The shards' row ranges are disjoint and in order, so the concatenation is sorted
-    and unique as it stands.
+    The shards' rows are disjoint (each row has one owner) and each answer sorted;
+    one sort merges them.
     """
     rows = np.concatenate([r for r, _ in answers])
     row_shape = table.shape[1:]
     parts = [codec.decode(v.reshape(-1, *row_shape), table.dtype) for _, v in answers]
     values = torch.cat(parts) if parts else torch.empty((0, *row_shape), dtype=table.dtype)
+    if len(answers) > 1:
+        order = np.argsort(rows, kind="stable")
+        rows, values = rows[order], values[as_torch(order)]
     return torch.sparse_coo_tensor(
         as_torch(rows)[None].clone(),
         values,
         table.shape,
         device=device,
-        # Sorted and unique by construction; saying so spares torch the check.
+        # Sorted above and unique by construction; saying so spares torch the check.
         check_invariants=False,
         is_coalesced=True,
     )

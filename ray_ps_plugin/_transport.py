@@ -82,9 +82,10 @@ class DirectPath(Protocol):
         ...
 
     def push_rows(
-        self, shard: int, model: int, step: int, source: int, payload: Any
+        self, shard: int, model: int, step: int, source: int, payload: Any, owner: int | None = None
     ) -> Handle[Any]:
-        """Sends a step's packed sparse rows; the future holds the packed answer."""
+        """Sends a step's packed sparse rows (owned by ``owner`` when ``shard`` relays
+        them); the future holds the packed answer."""
         ...
 
     def table_pull(self, shard: int, model: int, source: int, payload: Any) -> Handle[Any]:

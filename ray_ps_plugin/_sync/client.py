@@ -93,7 +93,17 @@ class SumClient(ClientBase):
         self._warned_no_callback = False
         self._round: list[torch.futures.Future[torch.Tensor]] = []  # this step's futures
         self._queue: queue.Queue[_Pending | PendingRows | None] = queue.Queue()
-        self._rows = RowBatch(setup.module, stream.num_shards, Codec(setup.settings.compression))
+        topology = setup.topology
+        self._rows = RowBatch(
+            setup.module,
+            stream.num_shards,
+            Codec(setup.settings.compression),
+            # The same routes as the dense chunks': where the node relays, the owners
+            # count the relay as one source of rows too.
+            None
+            if topology is None
+            else [topology.route(self.rank, s) for s in range(stream.num_shards)],
+        )
         self._thread = threading.Thread(
             target=self._complete_loop,
             name=f"ps-comm-rank{self.rank}-model{self.model_id}",

@@ -55,6 +55,8 @@ __all__ = [
     "FrameSender",
     "pack_local",
     "recv_exact",
+    "relayed_rows_key",
+    "rows_owner",
     "tune_socket",
     "unpack_local",
 ]
@@ -70,6 +72,20 @@ REQUESTS = (PUSH, LOCAL, ROWS, TABLE_PULL, TABLE_PUSH)
 ROWS_KEY = -1
 #: The key of a table frame, whose ``step`` is a number the pusher never repeats.
 TABLE_KEY = -2
+
+
+def relayed_rows_key(owner: int) -> int:
+    """The key of a ``ROWS`` frame that a worker sends its node's relay with the rows
+    shard ``owner`` owns: below :data:`TABLE_KEY`, one per owner, so unique per
+    connection and step as every key is."""
+    return TABLE_KEY - 1 - owner
+
+
+def rows_owner(key: int) -> int | None:
+    """The owner a ``ROWS`` frame's rows are relayed to, or ``None`` (its target owns
+    them); the inverse of :func:`relayed_rows_key`."""
+    return None if key == ROWS_KEY else TABLE_KEY - 1 - key
+
 
 #: Element types a frame may name (the model's dtype; the payload is in the wire
 #: format the run's compression chooses), by their index in the header.
@@ -91,7 +107,9 @@ class Frame:
         dtype: The model's dtype (an entry of :data:`DTYPES`).
         model: The prepared model's id.
         step: The synchronisation round.
-        key: The chunk's byte offset in the model's gradient stream.
+        key: The chunk's byte offset in the model's gradient stream (``ROWS``:
+            :data:`ROWS_KEY`, or the owner of relayed rows, see
+            :func:`relayed_rows_key`).
         source: Who pushes (a worker rank or a relay's source id).
         nbytes: Payload size.
     """

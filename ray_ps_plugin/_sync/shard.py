@@ -12,7 +12,8 @@ models with equal shapes never mix their sums.
 Across nodes (see :mod:`ray_ps_plugin._sync.topology`) a shard also listens on a
 direct TCP data path (:mod:`ray_ps_plugin._sync.wire`) and, if it is its node's
 relay, first sums its node's workers' chunks for other nodes' shards and sends one
-partial sum per chunk to the owner.
+partial sum per chunk to the owner; likewise their sparse rows, one message per owner
+and step (:mod:`ray_ps_plugin._sync.row_relay`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,16 @@ from ray_ps_plugin._errors import ShardLinkError, ShardProtocolError, ShardTimeo
 from ray_ps_plugin._rows import RowEntry, RowSums, pack, unpack
 from ray_ps_plugin._shard import ShardBase
 from ray_ps_plugin._shm import SegmentHandle
-from ray_ps_plugin._sync.frames import LOCAL, ROWS, TABLE_PULL, TABLE_PUSH, Frame, unpack_local
+from ray_ps_plugin._sync.frames import (
+    LOCAL,
+    ROWS,
+    TABLE_PULL,
+    TABLE_PUSH,
+    Frame,
+    rows_owner,
+    unpack_local,
+)
+from ray_ps_plugin._sync.row_relay import RowRelay
 from ray_ps_plugin._sync.sums import ChunkSums, Slot
 from ray_ps_plugin._sync.topology import Topology
 from ray_ps_plugin._sync.wire import WireServer, WireStreams
@@ -66,7 +76,8 @@ class SumShard(ShardBase):
         self._wire_server: WireServer | None = None
         self._relay_streams: WireStreams | None = None
         self._sums = ChunkSums(shard_index, self._codec, self._describe)
-        self._rows = RowSums(shard_index, num_workers, timeout_s)
+        self._rows = RowSums(shard_index, num_workers, timeout_s, self._describe)
+        self._row_relay: RowRelay | None = None
 
     async def open_wire(self, token: bytes, host: str | None = None) -> tuple[str, int]:
         """Starts listening for pushes on the direct data path; returns its address.
@@ -94,9 +105,13 @@ class SumShard(ShardBase):
             )
         self._topology = topology
         self._own_sources = topology.sources(self.shard_index)
+        self._rows.sources = self._own_sources
         self._relayed = topology.relayed_ranks(self.shard_index)
         if self._relayed and topology.addresses:
             self._relay_streams = WireStreams(topology.addresses, topology.token, self.timeout_s)
+            self._row_relay = RowRelay(
+                self.shard_index, self._relayed, self._codec, self.timeout_s, self._forward_rows
+            )
 
     def _describe(self, source: int) -> str:
         if self._topology is None:
@@ -110,6 +125,9 @@ class SumShard(ShardBase):
         rows, or its pull or push of a sharded table's rows."""
         if frame.kind == ROWS:
             entries = unpack(payload)
+            owner = rows_owner(frame.key)
+            if owner is not None:
+                return await self._relay_rows(frame, owner, entries)
             answers = await self.push_rows(frame.model, frame.step, frame.source, entries)
             return pack([(e[0], e[1], r, v, e[4]) for e, (r, v) in zip(entries, answers)])
         if frame.kind == TABLE_PULL:
@@ -328,26 +346,33 @@ class SumShard(ShardBase):
         Args:
             model: The prepared model's id.
             step: The worker's synchronisation round.
-            rank: The sending worker's world rank.
+            rank: The sending worker's world rank, or the source id of another
+                node's relay (its node's rows, summed).
             tables: Per table of the step, a :data:`~ray_ps_plugin._rows.RowEntry`:
-                the worker's sorted unique touched rows in this shard's span and
-                their gradient rows (divided by the world size, encoded).
+                the worker's sorted unique touched rows of this shard and their
+                gradient rows (divided by the world size, encoded).
 
         Returns:
             ``(rows, sums)`` per table, the sums encoded.
+
+        Raises:
+            ShardProtocolError: If the sender is not one of this shard's sources
+                (:class:`~ray_ps_plugin._rows.RowSums` names it), or an argument is
+                out of range.
         """
-        self._check(model, rank)
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise ShardProtocolError(f"shard {self.shard_index}: rank {rank!r} is not an int.")
         for entry in tables:
-            self._check(model, rank, entry[4])
+            self._check(model, None, entry[4])
         with self._queued():
             self._pushes += 1
             self._bytes_in += sum(i.nbytes + v.nbytes for _, _, i, v, _ in tables)
             results = await asyncio.gather(
                 *(
                     self._rows.push(
-                        model, step, table, rank, span, indices, self._codec.decode_np(values, dt)
+                        model, step, table, rank, split, indices, self._codec.decode_np(values, dt)
                     )
-                    for table, span, indices, values, dt in tables
+                    for table, split, indices, values, dt in tables
                 )
             )
         answers = [
@@ -356,6 +381,41 @@ class SumShard(ShardBase):
         ]
         self._bytes_out += sum(r.nbytes + v.nbytes for r, v in answers)
         return answers
+
+    async def _relay_rows(self, frame: Frame, owner: int, entries: list[RowEntry]) -> np.ndarray:
+        """A local worker's rows for another node's shard: summed with the node's
+        other workers', sent on once; the owner's packed answer comes back."""
+        self._check(frame.model, frame.source)
+        for entry in entries:
+            self._check(frame.model, None, entry[4])
+        if self._row_relay is None or self._topology is None:
+            raise ShardProtocolError(
+                f"shard {self.shard_index} got rows to relay to shard {owner} but relays "
+                "for no one; the workers disagree on the topology."
+            )
+        if not 0 <= owner < len(self._topology.shard_nodes) or owner == self.shard_index:
+            raise ShardProtocolError(
+                f"shard {self.shard_index}: rows to relay to shard {owner}, which is not "
+                "another shard of the run."
+            )
+        with self._queued():
+            self._pushes += 1
+            self._bytes_in += sum(i.nbytes + v.nbytes for _, _, i, v, _ in entries)
+            answer = await self._row_relay.push(
+                frame.model, frame.step, owner, frame.source, entries
+            )
+        self._bytes_out += answer.nbytes
+        return answer
+
+    async def _forward_rows(
+        self, owner: int, model: int, step: int, payload: np.ndarray
+    ) -> np.ndarray:
+        """Sends this node's summed rows to their owner (see :class:`RowRelay`)."""
+        assert self._relay_streams is not None and self._topology is not None
+        source = self._topology.relay_source(self.shard_index)
+        return await asyncio.wrap_future(
+            self._relay_streams.push_rows(owner, model, step, source, payload)
+        )
 
     async def _relay(self, model: int, slot: Slot, key: int, dtype: str) -> None:
         """Sends this node's partial sum to the owner; leaves the answer for every

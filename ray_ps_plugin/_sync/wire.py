@@ -54,6 +54,7 @@ from ray_ps_plugin._sync.frames import (
     FrameSender,
     pack_local,
     recv_exact,
+    relayed_rows_key,
     tune_socket,
 )
 
@@ -388,11 +389,21 @@ class WireStreams:
         return self._stream(shard).push(frame, payload)
 
     def push_rows(
-        self, shard: int, model: int, step: int, source: int, payload: np.ndarray
+        self,
+        shard: int,
+        model: int,
+        step: int,
+        source: int,
+        payload: np.ndarray,
+        owner: int | None = None,
     ) -> concurrent.futures.Future[np.ndarray]:
         """Sends a shard the step's touched rows of a model's sparse tables (packed by
-        :func:`ray_ps_plugin._rows.pack`); the future holds the packed answer."""
-        frame = Frame(ROWS, "float32", model, step, ROWS_KEY, source, payload.nbytes)
+        :func:`ray_ps_plugin._rows.pack`); the future holds the packed answer.
+
+        ``owner``: the shard that owns the rows, when ``shard`` is the sender's node
+        relay for them (``None``: ``shard`` owns them)."""
+        key = ROWS_KEY if owner is None else relayed_rows_key(owner)
+        frame = Frame(ROWS, "float32", model, step, key, source, payload.nbytes)
         return self._stream(shard).push(frame, payload)
 
     def table_pull(

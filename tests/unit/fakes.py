@@ -20,6 +20,7 @@ from ray_ps_plugin._sync.frames import (
     TABLE_PUSH,
     Frame,
     pack_local,
+    relayed_rows_key,
 )
 from ray_ps_plugin._sync.wire import RemoteError
 from ray_ps_plugin._transport import wait_handles
@@ -83,8 +84,9 @@ class FakeDirect:
         frame = Frame(LOCAL, dtype, model, step, chunks[0][0], source, payload.nbytes)
         return self._send(shard, frame, payload, None)
 
-    def push_rows(self, shard, model, step, source, payload) -> Future:
-        frame = Frame(ROWS, "float32", model, step, ROWS_KEY, source, payload.nbytes)
+    def push_rows(self, shard, model, step, source, payload, owner=None) -> Future:
+        key = ROWS_KEY if owner is None else relayed_rows_key(owner)
+        frame = Frame(ROWS, "float32", model, step, key, source, payload.nbytes)
         return self._send(shard, frame, payload.copy(), None)
 
     def table_pull(self, shard, model, source, payload) -> Future:
@@ -218,7 +220,17 @@ class Settings:
         self.diloco_rounds, self.diloco_overlap = diloco_rounds, diloco_overlap
 
 
-def setup_for(module, rank, world, num_shards, settings, local=(), remote=frozenset(), model_id=0):
+def setup_for(
+    module,
+    rank,
+    world,
+    num_shards,
+    settings,
+    local=(),
+    remote=frozenset(),
+    model_id=0,
+    topology=None,
+):
     """A ClientSetup for ``module`` as the runtime would build it."""
     return ClientSetup(
         model_id=model_id,
@@ -230,6 +242,7 @@ def setup_for(module, rank, world, num_shards, settings, local=(), remote=frozen
         settings=settings,
         local_shards=tuple(local),
         remote_shards=frozenset(remote),
+        topology=topology,
     )
 
 

@@ -184,22 +184,43 @@ def test_sum_rows_matches_torch_coalesce():
     assert row_bounds(10, 3) == [0, 3, 6, 10]
 
 
-def test_rows_outside_the_shard_or_disagreeing_spans_are_refused():
+def test_rows_of_another_shard_or_disagreeing_splits_are_refused():
     async def run():
+        # Shard 1 of 2 owns the odd rows of a 10-row table.
         sums = RowSums(1, 2, timeout_s=0.2)
         empty = np.empty((0, 2), np.float32)
-        with pytest.raises(ShardProtocolError, match="outside this shard's range"):
-            await sums.push(0, 1, 0, 0, (5, 10), np.array([3], np.int64), np.ones((1, 2)))
+        with pytest.raises(ShardProtocolError, match="not this shard's"):
+            await sums.push(0, 1, 0, 0, (10, 2), np.array([1, 4], np.int64), np.ones((2, 2)))
+        with pytest.raises(ShardProtocolError, match="not this shard's"):
+            await sums.push(0, 4, 0, 0, (10, 2), np.array([11], np.int64), np.ones((1, 2)))
         with pytest.raises(ShardProtocolError, match="int64 row indices"):
-            await sums.push(0, 2, 0, 0, (5, 10), np.array([6], np.int32), np.ones((1, 2)))
-        task = asyncio.ensure_future(sums.push(0, 3, 0, 0, (5, 10), np.empty(0, np.int64), empty))
+            await sums.push(0, 2, 0, 0, (10, 2), np.array([3], np.int32), np.ones((1, 2)))
+        task = asyncio.ensure_future(sums.push(0, 3, 0, 0, (10, 2), np.empty(0, np.int64), empty))
         await asyncio.sleep(0)
         with pytest.raises(ShardProtocolError, match="disagree on the table's size"):
-            await sums.push(0, 3, 0, 1, (5, 11), np.empty(0, np.int64), empty)
-        with pytest.raises(ShardTimeoutError, match=r"worker\(s\) \[1\]"):
+            await sums.push(0, 3, 0, 1, (11, 2), np.empty(0, np.int64), empty)
+        with pytest.raises(ShardTimeoutError, match=r"for the rows of worker 1;"):
             await task
 
     asyncio.run(run())
+
+
+def test_rows_are_interleaved_over_the_shards_so_hot_low_ids_spread():
+    """Ids numbered by frequency (hot rows first) would all land on shard 0 with
+    ranges; row r belongs to shard r % S."""
+    from ray_ps_plugin._codec import Codec
+    from ray_ps_plugin._sparse import SparseTable, assemble
+
+    table = SparseTable(0, torch.nn.Embedding(ROWS, DIM, sparse=True).weight, 3)
+    grad = _sparse_grad([0, 1, 2, 3, 4, 5, 7, 48], seed=0)
+    parts = table.split(grad, 0.5, Codec(None))
+    assert [s for s, _, _ in parts] == [0, 1, 2]
+    assert [i.tolist() for _, i, _ in parts] == [[0, 3, 48], [1, 4, 7], [2, 5]]
+    for _, idx, vals in parts:
+        torch.testing.assert_close(torch.from_numpy(np.asarray(vals)), grad.to_dense()[idx] * 0.5)
+    back = assemble(table, [(i, v) for _, i, v in parts], Codec(None), torch.device("cpu"))
+    assert back.is_coalesced() and back.indices()[0].tolist() == [0, 1, 2, 3, 4, 5, 7, 48]
+    torch.testing.assert_close(back.to_dense(), grad.to_dense() * 0.5)
 
 
 def test_sparse_params_are_the_ones_ddp_buckets_alone():
@@ -236,6 +257,74 @@ def test_rows_pack_into_frames_and_back_also_empty_and_16_bit():
         np.testing.assert_array_equal(vals, vals2)
     with pytest.raises(ShardProtocolError, match=r"malformed|after its entries"):
         unpack(pack(entries)[:-3])
+
+
+@pytest.mark.parametrize("compression", [None, "bf16"])
+def test_a_nodes_rows_for_other_nodes_go_through_its_relay_once(loop, compression):
+    """Two nodes of two workers, one shard each: a worker sends every row to its own
+    node's shard; the relay sends the other node's shard one message of the node's
+    summed rows, and every worker gets the same union, the mean over all four."""
+    from ray_ps_plugin._sync.topology import Topology
+
+    world = 4
+    topo = Topology(
+        worker_nodes=(0, 0, 1, 1),
+        shard_nodes=(0, 1),
+        addresses=(("127.0.0.1", 1), ("127.0.0.1", 2)),
+        token=bytes(32),
+    )
+    servers = [SumShard(i, world, 5.0, compression) for i in range(2)]
+    transport = FakeTransport(loop, servers)
+    transport.direct = FakeDirect(loop, servers)
+    for s in servers:
+        loop.run(s.configure(topo)).result(5)
+        s._relay_streams = transport.direct  # each relay's own sends, on the fake path
+    settings = Settings(compression=compression)
+    tables = [torch.nn.Embedding(ROWS, DIM, sparse=True) for _ in range(world)]
+    clients = [
+        SumClient.build(setup_for(tables[r], r, world, 2, settings, topology=topo), transport)
+        for r in range(world)
+    ]
+    # Rows of both shards (odd rows are shard 1's); ranks 0 and 1 share row 7.
+    touched = {0: [2, 7, 9], 1: [7, 12], 2: [1, 2], 3: []}
+    grads = {r: _sparse_grad(touched[r], seed=r) for r in range(world)}
+    results = _step(clients, tables, {r: [(grads[r], [tables[r].weight])] for r in range(world)})
+    expected = sum(g.to_dense() for g in grads.values()) / world
+    tol = {} if compression is None else {"atol": 2e-2, "rtol": 1e-2}
+    for r in range(world):
+        torch.testing.assert_close(results[r][0].to_dense(), expected, **tol)
+        assert results[r][0].indices()[0].tolist() == [1, 2, 7, 9, 12]
+    for r in range(1, world):  # every worker the same bits
+        assert torch.equal(results[r][0].to_dense(), results[0][0].to_dense())
+    # Node 0's workers sent nothing to shard 1 themselves; its relay (source 4) did,
+    # once; and node 1's relay (source 5) once to shard 0.
+    for shard, sources in ((0, [0, 0, 1, 1, 5]), (1, [2, 2, 3, 3, 4])):
+        assert sorted(src for s, _, src in transport.direct.frames if s == shard) == sources
+    assert not [c for c in transport.calls if c[0] == "push_rows"]
+    for c in clients:
+        c.close()
+
+
+def test_a_relay_refuses_rows_of_workers_it_does_not_relay_for(loop):
+    from ray_ps_plugin._rows import pack
+    from ray_ps_plugin._sync.frames import Frame, relayed_rows_key
+    from ray_ps_plugin._sync.topology import Topology
+
+    topo = Topology(worker_nodes=(0, 0, 1, 1), shard_nodes=(0, 1))  # no path: no relays
+    shard = SumShard(0, 4, 1.0, None)
+    loop.run(shard.configure(topo)).result(5)
+    entry = (0, (ROWS, 2), np.array([2], np.int64), np.ones((1, DIM), np.float32), "float32")
+    payload = pack([entry])
+    frame = Frame(ROWS_FRAME, "float32", 0, 1, relayed_rows_key(1), 0, payload.nbytes)
+    with pytest.raises(ShardProtocolError, match="relays for no one"):
+        loop.run(shard._on_frame(frame, payload)).result(5)
+    # Rows from a source that is not the shard's own: another node's worker under relays.
+    topo = Topology(
+        worker_nodes=(0, 0, 1, 1), shard_nodes=(0, 1), addresses=(("h", 1), ("h", 2)), token=b"t"
+    )
+    loop.run(shard.configure(topo)).result(5)
+    with pytest.raises(ShardProtocolError, match="worker 2 does not send rows to this shard"):
+        loop.run(shard.push_rows(0, 1, 2, [entry])).result(5)
 
 
 def test_a_model_of_sparse_tables_only(loop):
