@@ -45,9 +45,24 @@ def test_exports_are_rate_limited():
 
 def test_shard_queue_depth_goes_up_and_down():
     gauges = {}
-    q = ShardMetrics(2, factory=_factory(gauges))
+    q = ShardMetrics(2, interval_s=0.0, factory=_factory(gauges))
     q.enter()
     q.enter()
     q.leave()
     samples = gauges["ray_ps_shard_queue_depth"].samples
     assert [v for v, _ in samples] == [1, 2, 1] and samples[0][1] == {"shard": "2"}
+
+
+def test_shard_queue_depth_is_sampled_at_a_bounded_rate_and_shows_an_empty_queue_at_once():
+    gauges, now = {}, [0.0]
+    q = ShardMetrics(0, interval_s=0.1, factory=_factory(gauges), clock=lambda: now[0])
+    q.enter()  # sampled: the first
+    q.enter()
+    q.leave()  # within the interval: not sampled
+    now[0] = 0.2
+    q.enter()  # 2 waiting, sampled
+    q.leave()
+    q.leave()  # empty: sampled at once
+    q.enter()
+    q.leave()  # already shown empty, within the interval
+    assert [v for v, _ in gauges["ray_ps_shard_queue_depth"].samples] == [1, 2, 0]
