@@ -120,9 +120,10 @@ class PSConfig(TorchConfig):
             Ray's own ports). On one node only sparse embedding rows take the TCP
             path. Async/ssp always use the object store.
         node_aggregation: Whether, in sync mode, the workers of a node with several
-            workers first sum their gradients on that node's first shard, which
-            then sends one partial sum per node across the network (needs
-            ``data_path="tcp"`` and a shard on the node; ignored otherwise). In
+            workers first sum their gradients (dense chunks and sparse rows) on that
+            node's first shard, which then sends one partial sum per node across the
+            network (needs ``data_path="tcp"`` and a shard on the node; ignored
+            otherwise). In
             ``"diloco"`` with synchronous rounds the same shard sums the node's
             round changes for other nodes' shards and sends each one message (by
             Ray call; needs a shard on the node).
