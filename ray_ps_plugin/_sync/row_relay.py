@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ray_ps_plugin._codec import Codec
-from ray_ps_plugin._errors import ShardLinkError, ShardProtocolError, ShardTimeoutError
+from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
 from ray_ps_plugin._rows import RowEntry, pack, sum_rows
+from ray_ps_plugin._sync.wire import await_answer, relay_failure
 
 __all__ = ["Forward", "RowRelay"]
 
@@ -134,19 +135,13 @@ class RowRelay:
         """Forwards the node's sum; leaves the answer, or the error, for every waiter."""
         try:
             payload = self._node_sum(where, gather)
-            task = asyncio.ensure_future(self._forward(owner, model, step, payload))
-            # Not cancelled on timeout: a half-sent frame would corrupt the stream.
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())
-            done, _ = await asyncio.wait({task}, timeout=self.timeout_s)
-            if not done:
-                raise ShardTimeoutError(
-                    f"{where}: shard {owner} did not answer this node's rows within "
-                    f"{self.timeout_s:g}s."
-                )
-            gather.answer = task.result()
+            gather.answer = await await_answer(
+                asyncio.ensure_future(self._forward(owner, model, step, payload)),
+                self.timeout_s,
+                f"{where}: shard {owner} did not answer this node's rows within "
+                f"{self.timeout_s:g}s.",
+            )
         except Exception as e:
-            if not isinstance(e, (ShardTimeoutError, ShardProtocolError)):
-                e = ShardLinkError(f"{where}: relaying to shard {owner} failed: {e}")
-            gather.error = e
+            gather.error = relay_failure(e, f"{where}: relaying to shard {owner}")
         finally:
             gather.done.set()

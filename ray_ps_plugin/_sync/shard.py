@@ -25,7 +25,7 @@ import numpy as np
 
 from ray_ps_plugin._codec import Codec
 from ray_ps_plugin._dtypes import BF16_BITS, bf16_to_f32
-from ray_ps_plugin._errors import ShardLinkError, ShardProtocolError, ShardTimeoutError
+from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
 from ray_ps_plugin._rows import RowEntry, RowSums, pack, unpack
 from ray_ps_plugin._shard import ShardBase
 from ray_ps_plugin._shm import SegmentHandle
@@ -41,7 +41,7 @@ from ray_ps_plugin._sync.frames import (
 from ray_ps_plugin._sync.row_relay import RowRelay
 from ray_ps_plugin._sync.sums import ChunkSums, Slot
 from ray_ps_plugin._sync.topology import Topology
-from ray_ps_plugin._sync.wire import WireServer, WireStreams
+from ray_ps_plugin._sync.wire import WireServer, WireStreams, await_answer, relay_failure
 from ray_ps_plugin._table_frames import unpack_pull, unpack_push
 from ray_ps_plugin._types import Compression
 
@@ -441,16 +441,14 @@ class SumShard(ShardBase):
                     None if converts else slot.acc,
                 )
             )
-            # Not cancelled on timeout: a half-sent frame would corrupt the stream.
-            push.add_done_callback(lambda t: t.cancelled() or t.exception())
-            done, _ = await asyncio.wait({push}, timeout=self.timeout_s)
-            if not done:
-                raise ShardTimeoutError(
-                    f"shard {self.shard_index}: model {model}: step {slot.step}, chunk at "
-                    f"byte {key}: owner shard {slot.owner} did not answer this node's "
-                    f"partial sum within {self.timeout_s:g}s."
-                )
-            answer = push.result().view(self._codec.encoded_np_dtype(dtype))
+            raw = await await_answer(
+                push,
+                self.timeout_s,
+                f"shard {self.shard_index}: model {model}: step {slot.step}, chunk at "
+                f"byte {key}: owner shard {slot.owner} did not answer this node's "
+                f"partial sum within {self.timeout_s:g}s.",
+            )
+            answer = raw.view(self._codec.encoded_np_dtype(dtype))
             if slot.out is not None:
                 np.copyto(slot.out, answer)  # bfloat16 patterns, as this node reads them
             elif answer.ctypes.data != slot.acc.ctypes.data:
@@ -458,11 +456,9 @@ class SumShard(ShardBase):
             if converts and slot.by_message:
                 slot.encoded = answer
         except Exception as e:
-            if not isinstance(e, (ShardTimeoutError, ShardProtocolError)):
-                e = ShardLinkError(
-                    f"shard {self.shard_index}: relaying to shard {slot.owner} failed: {e}"
-                )
-            slot.error = e
+            slot.error = relay_failure(
+                e, f"shard {self.shard_index}: relaying to shard {slot.owner}"
+            )
         finally:
             slot.done.set()
 

@@ -37,6 +37,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
 
+from ray_ps_plugin._errors import ShardLinkError, ShardProtocolError, ShardTimeoutError
 from ray_ps_plugin._sync.frames import (
     ANSWER,
     ERROR,
@@ -58,7 +59,7 @@ from ray_ps_plugin._sync.frames import (
     tune_socket,
 )
 
-__all__ = ["RemoteError", "WireServer", "WireStreams"]
+__all__ = ["RemoteError", "WireServer", "WireStreams", "await_answer", "relay_failure"]
 
 logger = logging.getLogger(__name__)
 
@@ -433,3 +434,28 @@ class WireStreams:
             streams, self._streams = self._streams, {}
         for stream in streams.values():
             stream.close(timeout_s)
+
+
+async def await_answer(
+    answer: asyncio.Future[np.ndarray], timeout_s: float, late: str
+) -> np.ndarray:
+    """A relay's wait for the owner's answer to what it forwarded, bounded.
+
+    The send is not cancelled on timeout: a half-sent frame would corrupt the stream.
+
+    Raises:
+        ShardTimeoutError: ``late``, if no answer came within ``timeout_s``.
+    """
+    answer.add_done_callback(lambda t: t.cancelled() or t.exception())
+    done, _ = await asyncio.wait({answer}, timeout=timeout_s)
+    if not done:
+        raise ShardTimeoutError(late)
+    return answer.result()
+
+
+def relay_failure(error: Exception, what: str) -> Exception:
+    """The error a relay leaves for every waiter: a timeout or refusal as it is,
+    anything else (a lost link) as a ``ShardLinkError`` saying ``what`` failed."""
+    if isinstance(error, (ShardTimeoutError, ShardProtocolError)):
+        return error
+    return ShardLinkError(f"{what} failed: {error}")

@@ -11,7 +11,8 @@ import pytest
 
 from ray_ps_plugin._codec import Codec
 from ray_ps_plugin._errors import ShardLinkError
-from ray_ps_plugin._sync.frames import PUSH, Frame
+from ray_ps_plugin._rows import pack, unpack
+from ray_ps_plugin._sync.frames import PUSH, ROWS, Frame, relayed_rows_key
 from ray_ps_plugin._sync.shard import SumShard
 from ray_ps_plugin._sync.topology import Route, Topology
 from ray_ps_plugin._sync.wire import WireStreams
@@ -114,6 +115,63 @@ def test_a_relay_that_cannot_reach_the_owner_fails_every_local_waiter():
 
     errors = asyncio.run(main())
     # A lost link, not a protocol error: ConnectionError, as the worker's own path.
+    assert all(isinstance(e, ShardLinkError) for e in errors), errors
+    assert all("relaying to shard 1 failed" in str(e) for e in errors)
+
+
+def _rows_frame(rank, owner, rows):
+    """Rank ``rank``'s rows of a 10-row table (split over 2 shards) for ``owner``,
+    sent to its node's relay: the frame and its payload."""
+    values = np.asarray(rows, np.float32)[:, None] * np.ones((1, 3), np.float32) * (rank + 1)
+    payload = pack([(0, (10, 2), np.asarray(rows, np.int64), values, "float32")])
+    return Frame(ROWS, "float32", 0, 1, relayed_rows_key(owner), rank, payload.nbytes), payload
+
+
+def test_a_relay_sends_its_nodes_rows_on_a_socket_and_hands_back_the_owners_union():
+    async def main():
+        shards, _ = await _cluster()
+        own = (0, (10, 2), np.empty(0, np.int64), np.empty((0, 3), np.float32), "float32")
+        # Shard 1 owns the odd rows. Node 0's workers send theirs to shard 0 (the
+        # relay); node 1's workers push to shard 1 themselves.
+        relayed = [
+            shards[0]._on_frame(*_rows_frame(r, 1, rows)) for r, rows in ((0, [1, 3]), (1, [3]))
+        ]
+        direct = [
+            shards[1].push_rows(
+                0, 1, r, [(0, (10, 2), np.array([3, 5]), np.ones((2, 3), np.float32), "float32")]
+            )
+            for r in (2, 3)
+        ]
+        # Shard 0's own (even) rows: nobody touched one; every source still sends.
+        empty = [shards[0].push_rows(0, 1, r, [own]) for r in (0, 1)]
+        empty += [shards[1]._on_frame(*_rows_frame(r, 0, [])) for r in (2, 3)]
+        out = await asyncio.gather(*relayed, *direct, *empty)
+        for s in shards:
+            s._wire_server.close()
+            s._relay_streams.close()
+        return out
+
+    out = asyncio.run(main())
+    ((_, _, rows0, sums0, _),) = unpack(out[0])
+    ((_, _, rows1, sums1, _),) = unpack(out[1])
+    rows2, sums2 = out[2][0]
+    assert rows0.tolist() == rows1.tolist() == rows2.tolist() == [1, 3, 5]
+    want = np.array([[1 * 1], [3 * 1 + 3 * 2 + 1 + 1], [1 + 1]], np.float32) * np.ones((1, 3))
+    for sums in (sums0, sums1, sums2):
+        np.testing.assert_allclose(sums, want)
+
+
+def test_a_relay_that_cannot_reach_the_owner_fails_every_local_waiters_rows():
+    async def main():
+        shards, _ = await _cluster(timeout_s=2.0)
+        shards[1]._wire_server.close()
+        await asyncio.sleep(0.05)
+        return await asyncio.gather(
+            *(shards[0]._on_frame(*_rows_frame(r, 1, [1])) for r in (0, 1)),
+            return_exceptions=True,
+        )
+
+    errors = asyncio.run(main())
     assert all(isinstance(e, ShardLinkError) for e in errors), errors
     assert all("relaying to shard 1 failed" in str(e) for e in errors)
 
