@@ -122,6 +122,11 @@ class Codec:
             as_torch(out).copy_(as_torch(values))
         return out
 
+    def wire_np(self, values: np.ndarray, dtype: str = "float32") -> np.ndarray:
+        """Shard side: ``values`` (in the dtype shards compute in for model dtype
+        ``dtype``) as they travel: encoded where the format differs, else themselves."""
+        return self.encode_np(values, dtype) if self.converts(dtype) else values
+
     def decode_np(self, arr: np.ndarray, dtype: str = "float32") -> np.ndarray:
         """Shard side: the values of an encoded array in the dtype shards compute in for
         model dtype ``dtype`` (the array itself when nothing changes)."""

@@ -135,6 +135,11 @@ class DenseStream:
     def num_shards(self) -> int:
         return self._layout.num_shards
 
+    @property
+    def routes(self) -> list[Route]:
+        """Where this worker sends what each owner shard sums (by owner)."""
+        return self._routes
+
     def open_round(self) -> None:
         """Starts a step's stream: the next bucket is the first."""
         self._offset = 0

@@ -93,16 +93,13 @@ class SumClient(ClientBase):
         self._warned_no_callback = False
         self._round: list[torch.futures.Future[torch.Tensor]] = []  # this step's futures
         self._queue: queue.Queue[_Pending | PendingRows | None] = queue.Queue()
-        topology = setup.topology
         self._rows = RowBatch(
             setup.module,
             stream.num_shards,
             Codec(setup.settings.compression),
-            # The same routes as the dense chunks': where the node relays, the owners
-            # count the relay as one source of rows too.
-            None
-            if topology is None
-            else [topology.route(self.rank, s) for s in range(stream.num_shards)],
+            # The dense chunks' routes: where the node relays, the owners count the
+            # relay as one source of rows too.
+            stream.routes,
         )
         self._thread = threading.Thread(
             target=self._complete_loop,

@@ -127,8 +127,7 @@ class RowRelay:
                 [gather.entries[r][k][2] for r in ranks],
                 [self._codec.decode_np(gather.entries[r][k][3], dtype) for r in ranks],
             )
-            encoded = self._codec.encode_np(sums, dtype) if self._codec.converts(dtype) else sums
-            out.append((table, split, rows, encoded, dtype))
+            out.append((table, split, rows, self._codec.wire_np(sums, dtype), dtype))
         return pack(out)
 
     async def _send(self, where: str, model: int, step: int, owner: int, gather: _Gather) -> None:

@@ -376,8 +376,7 @@ class SumShard(ShardBase):
                 )
             )
         answers = [
-            (rows, self._codec.encode_np(sums, dt) if self._codec.converts(dt) else sums)
-            for (rows, sums), (*_, dt) in zip(results, tables)
+            (rows, self._codec.wire_np(sums, dt)) for (rows, sums), (*_, dt) in zip(results, tables)
         ]
         self._bytes_out += sum(r.nbytes + v.nbytes for r, v in answers)
         return answers
