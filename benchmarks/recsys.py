@@ -81,6 +81,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "server_placement": "node",
         "compression": "bf16",
     },
+    # Replicated tables as under DDP, their SparseAdam applied once on the shards.
+    "ps_sync_shard_opt": {"strategy": "ps", "mode": "sync", "sparse_optimizer": "shards"},
     # The tables built on the meta device: sharded over the shards, held by no worker.
     "ps_sync_sharded": {"strategy": "ps", "mode": "sync"},
     "ps_async_sharded": {"strategy": "ps", "mode": "async"},

@@ -164,7 +164,10 @@ def attach(ddp: PSDistributedDataParallel) -> None:
     _runtime.register(client)
     client.bind(ddp)  # sync: registers the servers' comm hook
     ddp._ps_owns_comm = True
-    if _table_layers.meta_tables(ddp.module):
+    replicas = info.settings.sparse_optimizer == "shards" and _table_layers.replica_tables(
+        ddp.module
+    )
+    if _table_layers.meta_tables(ddp.module) or replicas:
         tables = _table_client.ShardedTables(
             setup.model_id,
             ddp.module,
@@ -181,12 +184,15 @@ def attach(ddp: PSDistributedDataParallel) -> None:
 
 def _before_ddp(module: torch.nn.Module) -> None:
     """What runs before DDP's constructor communicates, on every rank alike: the
-    refusals, and keeping sharded tables (meta-device embedding layers) out of DDP."""
+    refusals, and keeping the tables trained on the shards out of DDP (meta-device
+    embedding layers; with ``sparse_optimizer="shards"`` sparse ones too)."""
     settings = _runtime.current_run().settings
     check_supported(module, settings.compression)
     _check_not_attached(module)
     _table_layers.check_tables(module, settings.mode)
     names = _table_layers.meta_table_names(module)
+    if settings.sparse_optimizer == "shards":
+        names += _table_layers.replica_table_names(module)
     if names:
         _torch_compat.ignore_in_ddp(module, names)
 

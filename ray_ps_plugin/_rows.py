@@ -54,9 +54,21 @@ def sum_rows(indices: list[np.ndarray], values: list[np.ndarray]) -> tuple[np.nd
         the order of the contributions (so every caller gets the same bits).
     """
     idx = np.concatenate(indices)
-    vals = np.concatenate(values)
     if idx.size == 0:
-        return idx, vals
+        return idx, np.concatenate(values)
+    if all(len(i) < 2 or bool(np.all(i[1:] > i[:-1])) for i in indices):
+        # Each contribution coalesced (sorted, unique), as every sender's is: add
+        # them one after another into the union's rows (0 + a is a, so the bits are
+        # those of the general path), without gathering every value in row order.
+        rows, inverse = np.unique(idx, return_inverse=True)
+        dtype = np.result_type(*values)
+        sums = np.zeros((len(rows), *values[0].shape[1:]), dtype)
+        at = 0
+        for i, v in zip(indices, values):
+            sums[inverse[at : at + len(i)]] += v
+            at += len(i)
+        return rows, sums
+    vals = np.concatenate(values)
     order = np.argsort(idx, kind="stable")
     rows, starts = np.unique(idx[order], return_index=True)
     return rows, np.add.reduceat(vals[order], starts, axis=0)

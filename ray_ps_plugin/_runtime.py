@@ -31,6 +31,7 @@ from ray_ps_plugin._metrics import WorkerMetrics
 from ray_ps_plugin._stats import PSStats
 from ray_ps_plugin._table_checkpoint import load_tables, save_tables
 from ray_ps_plugin._table_client import ShardedTables
+from ray_ps_plugin._torch_compat import ddp_ignored
 from ray_ps_plugin._transport import Transport
 from ray_ps_plugin._types import Mode, RunSettings
 
@@ -251,12 +252,18 @@ def client_setup(module: torch.nn.Module, info: RunInfo) -> ClientSetup:
     rank = ctx.get_world_rank()
     node = ray.get_runtime_context().get_node_id()
     local = tuple(i for i, n in enumerate(info.server_node_ids) if n == node)
+    ignored = ddp_ignored(module)
     return ClientSetup(
         model_id=len(_CLIENTS),
         module=module,
         # A sharded table's weight stays on the meta device: its rows are the
-        # shards' (see _table_client), not the client's.
-        params=tuple(p for p in module.parameters() if p.requires_grad and not p.is_meta),
+        # shards' (see _table_client), not the client's; neither are the weights
+        # DDP leaves alone (tables stepped on the shards, and the user's own).
+        params=tuple(
+            p
+            for n, p in module.named_parameters()
+            if p.requires_grad and not p.is_meta and n not in ignored
+        ),
         rank=rank,
         world_size=ctx.get_world_size(),
         num_shards=len(info.servers),
@@ -349,6 +356,9 @@ def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: A
     for client in _CLIENTS:
         if client.owns(optimizer):
             client.after_step()
+    for tables in _TABLES:
+        if tables.owns(optimizer):
+            tables.after_step()
 
 
 class _StepClosure:

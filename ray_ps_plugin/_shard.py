@@ -23,7 +23,7 @@ from ray_ps_plugin._errors import ShardProtocolError
 from ray_ps_plugin._metrics import ShardMetrics
 from ray_ps_plugin._shm import SegmentHandle
 from ray_ps_plugin._table_optim import TableOptimizer
-from ray_ps_plugin._table_store import PushEntry, TableSpec, TableStore
+from ray_ps_plugin._table_store import PushAnswer, PushEntry, TableSpec, TableStore
 
 __all__ = ["MAX_MODELS", "ShardBase"]
 
@@ -136,14 +136,18 @@ class ShardBase:
         self._bytes_out += rows.nbytes
         return rows
 
-    async def table_push(self, model: int, rank: int, entries: Sequence[PushEntry]) -> list[int]:
+    async def table_push(
+        self, model: int, rank: int, entries: Sequence[PushEntry]
+    ) -> list[PushAnswer]:
         """One worker's optimizer step on every sharded table of a model it holds
         rows of here (see ``TableStore.push_many``)."""
         self._check(model, rank)
         self._bytes_in += sum(e[2].nbytes + e[3].nbytes for e in entries)
         self._pushes += 1
         with self._queued():
-            return await self._tables.push_many(model, rank, entries)
+            answers = await self._tables.push_many(model, rank, entries)
+        self._bytes_out += sum(ids.nbytes + rows.nbytes for _, ids, rows in answers)
+        return answers
 
     async def table_finish(self, model: int, rank: int) -> None:
         self._check(model, rank)
@@ -161,7 +165,7 @@ class ShardBase:
         weight: np.ndarray,
         state: dict[str, np.ndarray],
         optimizer: TableOptimizer | None,
-        steps: int,
+        steps: int | None,
     ) -> None:
         self._check(model, None)
         self._tables.write(model, table, lo, weight, state, optimizer, steps)

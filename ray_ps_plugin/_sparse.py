@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ray_ps_plugin._codec import Codec, as_torch
+from ray_ps_plugin._torch_compat import ddp_ignored
 
 __all__ = ["SparseTable", "assemble", "sparse_params"]
 
@@ -32,7 +33,10 @@ def sparse_params(module: torch.nn.Module) -> list[torch.Tensor]:
                 # A table on the meta device lives on the shards (_table_client).
                 if p.requires_grad and not p.is_meta:
                     found[id(p)] = p
-    return [p for p in module.parameters() if id(p) in found]
+    # What DDP leaves alone is not synchronised here either (tables stepped on the
+    # shards: _table_client).
+    ignored = ddp_ignored(module)
+    return [p for n, p in module.named_parameters() if id(p) in found and n not in ignored]
 
 
 class SparseTable:

@@ -16,13 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from ray_ps_plugin._table_client import ShardedTables, Table
+from ray_ps_plugin._table_client import SLICE_ROWS, ShardedTables, Table
 
 __all__ = ["load_tables", "save_tables"]
-
-#: Rows per call when a checkpoint reads or writes a table: a worker holds at most
-#: this many rows of one table at a time (64 MiB of fp32 rows of 64 values).
-_SLICE_ROWS = 1 << 18
 
 
 def save_tables(tables: ShardedTables, path: Path) -> None:
@@ -34,8 +30,8 @@ def save_tables(tables: ShardedTables, path: Path) -> None:
         meta: dict[str, Any] = {"rows": t.spec.rows, "dim": t.spec.dim, "name": t.name}
         for s in range(tables.num_shards):
             lo, hi = int(t.bounds[s]), int(t.bounds[s + 1])
-            for a in range(lo, hi, _SLICE_ROWS):
-                b = min(a + _SLICE_ROWS, hi)
+            for a in range(lo, hi, SLICE_ROWS):
+                b = min(a + SLICE_ROWS, hi)
                 call = tables.transport.call(s, "table_read", tables.model_id, t.ref.index, a, b)
                 (part,) = tables.wait([call], [s], f"reading rows of {t.name!r}")
                 np.savez(folder / f"rows{a:012d}.npz", weight=part["weight"], **part["state"])
@@ -61,6 +57,19 @@ def load_tables(tables: ShardedTables, path: Path) -> None:
         for s in range(tables.num_shards)
     ]
     tables.wait(calls, list(range(tables.num_shards)), "waiting for the tables' restore")
+    for t in tables.replicas:
+        _read_replica(tables, t)
+
+
+def _read_replica(tables: ShardedTables, t: Table) -> None:
+    """A worker's copy of a replica table takes the restored rows, slice by slice."""
+    for s in range(tables.num_shards):
+        lo, hi = int(t.bounds[s]), int(t.bounds[s + 1])
+        for a in range(lo, hi, SLICE_ROWS):
+            b = min(a + SLICE_ROWS, hi)
+            call = tables.transport.call(s, "table_read", tables.model_id, t.ref.index, a, b)
+            (part,) = tables.wait([call], [s], f"reading rows of {t.name!r}")
+            t.write_rows(np.arange(a, b), part["weight"])
 
 
 def _load_table(tables: ShardedTables, t: Table, folder: Path) -> None:

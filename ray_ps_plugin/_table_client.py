@@ -17,6 +17,15 @@ kept gradients (every backward since the last step, summed per row) go to the
 shards with that optimizer's hyperparameters as they are at that step, so learning
 rate schedulers keep working. The shards apply SGD, Adagrad or SparseAdam; any
 other optimizer is refused at its first step, before anything is applied.
+
+A *replica* table (``PSConfig(sparse_optimizer="shards")``, sync only) is an
+embedding layer with sparse gradients that every worker holds whole, as under DDP,
+but whose optimizer runs on the shards: DDP leaves its weight alone, forward is the
+layer's own, and at the step its gradient (``weight.grad``, taken away so the user's
+optimizer skips the weight) goes to the shards like a sharded table's; the answer
+holds the rows that step changed, with their new values, which the worker writes
+into its copy before ``optimizer.step()`` returns. Every worker thus does the
+optimizer's work on no row at all, the shards each on the rows they own, once.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -34,15 +44,26 @@ import torch.nn.functional as F
 from ray_ps_plugin._errors import PSError
 from ray_ps_plugin._rows import row_bounds
 from ray_ps_plugin._shm import Segment, SegmentHandle
-from ray_ps_plugin._table_frames import pack_pull, pack_push
-from ray_ps_plugin._table_layers import Layer, is_sharded, meta_tables, optimizer_step_spec
+from ray_ps_plugin._table_frames import pack_pull, pack_push, unpack_push_answer
+from ray_ps_plugin._table_layers import (
+    Layer,
+    is_sharded,
+    meta_tables,
+    optimizer_step_spec,
+    replica_tables,
+)
 from ray_ps_plugin._table_store import PushEntry, TableSpec
 from ray_ps_plugin._transport import Handle, Transport, wait_all
 from ray_ps_plugin._types import RunSettings, staleness_bound
 
-__all__ = ["ShardedTables", "Table", "TableRef"]
+__all__ = ["SLICE_ROWS", "ShardedTables", "Table", "TableRef"]
 
 logger = logging.getLogger(__name__)
+
+#: Rows per call when a whole table goes to or from the shards (a checkpoint, a
+#: replica's first rows): a worker holds at most this many rows of one table at a
+#: time (64 MiB of fp32 rows of 64 values).
+SLICE_ROWS = 1 << 18
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +136,9 @@ class Table:
         # This node's shards whose rows are read from their shared memory:
         # (first row, the rows), by shard.
         self.local: dict[int, tuple[int, np.ndarray]] = {}
+        # A replica's weight version once the shards' rows were last written into
+        # it: any other change (load_state_dict, say) is sent to the shards.
+        self.version = self.weight._version
 
     def _split(self, ids: np.ndarray) -> Iterator[tuple[int, slice]]:
         """``(shard, slice of ids)`` for each shard owning some of the sorted ``ids``."""
@@ -194,8 +218,11 @@ class Table:
         the step's hyperparameters. Every shard gets one, empty or not: in sync each
         waits for every worker."""
         kind, hyper = optimizer_step_spec(optimizer, group, self.name)
-        touched = bool(self.held)
-        ids, summed = self._summed()
+        if self.spec.replica:
+            touched, ids, summed = self._replica_grad()
+        else:
+            touched = bool(self.held)
+            ids, summed = self._summed()
         grads = (summed / self._owner.world_size).numpy()
         ids_np = ids.numpy()
         cuts = np.searchsorted(ids_np, self.bounds)
@@ -204,6 +231,36 @@ class Table:
             (self.ref.index, self.clock, ids_np[a:b], grads[a:b], kind, hyper, touched)
             for a, b in itertools.pairwise(cuts)
         ]
+
+    def _replica_grad(self) -> tuple[bool, torch.Tensor, torch.Tensor]:
+        """A replica's gradient as ``(touched, rows, values)``, taken out of
+        ``weight.grad`` so that the user's optimizer skips the weight.
+
+        Raises:
+            ValueError: If the gradient is dense (the weight is used outside its
+                layer, e.g. tied to an output projection).
+        """
+        grad, self.weight.grad = self.weight.grad, None
+        if grad is None:
+            return False, torch.empty(0, dtype=torch.int64), torch.empty(0, self.spec.dim)
+        if not grad.is_sparse:
+            raise ValueError(
+                f"The gradient of {self.name!r} is dense, so the weight is used outside "
+                "its sparse embedding layer (tied to another layer?): the shards step "
+                "only rows. Use PSConfig(sparse_optimizer='workers') for this model."
+            )
+        g = grad.coalesce()
+        return True, g.indices()[0].cpu(), g.values().float().cpu()
+
+    def write_rows(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Writes rows the shards changed into a replica's weight."""
+        w = self.weight
+        if len(ids):
+            index = torch.from_numpy(np.array(ids, np.int64)).to(w.device)
+            values = torch.from_numpy(np.array(rows, np.float32)).to(w.device)
+            with torch.no_grad():
+                w.index_copy_(0, index, values)
+        self.version = w._version
 
     def _summed(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every kept gradient since the last step, summed per row (rows sorted)."""
@@ -255,13 +312,15 @@ class ShardedTables:
         self.stats = {"bytes_pulled": 0, "bytes_pushed": 0, "pushes": 0}
         self._error: BaseException | None = None
         self.generation = 0  # restores of the tables so far (load_tables)
-        self._inflight: list[Handle[Any]] = []  # the last step's push, one call per shard
+        # The last step's push, one call per shard, with the tables it holds.
+        self._inflight: list[tuple[Handle[Any], list[Table]]] = []
         self.tables: list[Table] = []
         staleness = 0 if settings.mode == "sync" else staleness_bound(settings)
         # A layer already sharded (the same module wrapped again, as a second
         # Lightning fit does in sync) keeps its table and the rows it learnt.
         new = [(n, m) for n, m in meta_tables(module) if not is_sharded(m)]
-        for index, (name, layer) in enumerate(new):
+        replicas = replica_tables(module) if settings.sparse_optimizer == "shards" else []
+        for index, (name, layer) in enumerate(new + replicas):
             spec = TableSpec(
                 rows=layer.num_embeddings,
                 dim=layer.embedding_dim,
@@ -269,14 +328,22 @@ class ShardedTables:
                 seed=seed,
                 staleness=staleness,
                 sync=settings.mode == "sync",
+                replica=index >= len(new),
             )
             table = Table(TableRef(model_id, index), name, layer, spec, num_shards, self)
             self.tables.append(table)
+        self._hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         shared = set(local_shards) if settings.mode in ("sync", "async") else set()
         pairs = [(t, s) for t in self.tables for s in range(num_shards)]
         handles = [
             transport.call(
-                s, "table_create", model_id, t.ref.index, t.spec, num_shards, s in shared
+                s,
+                "table_create",
+                model_id,
+                t.ref.index,
+                t.spec,
+                num_shards,
+                s in shared and not t.spec.replica,  # a replica is never pulled
             )
             for t, s in pairs
         ]
@@ -292,6 +359,40 @@ class ShardedTables:
             layer._ps_table = t.ref  # type: ignore[assignment]
             _LIVE[t.ref] = t
         self._weights = {id(t.weight): t for t in self.tables}
+        for t in self.replicas:
+            self._seed_replica(t)
+
+    @property
+    def replicas(self) -> list[Table]:
+        """The replica tables (held by every worker, stepped on the shards)."""
+        return [t for t in self.tables if t.spec.replica]
+
+    def _seed_replica(self, t: Table) -> None:
+        """Makes every worker's copy rank 0's, as DDP's constructor would (it leaves
+        the weight alone here), and gives the shards their rows of it."""
+        if torch.distributed.is_initialized() and self.world_size > 1:
+            torch.distributed.broadcast(t.weight.data, src=0)
+        self.send_replica(t)
+
+    def send_replica(self, t: Table) -> None:
+        """Rank 0 writes its copy of a replica table to the shards (their optimizer
+        state and step count stay), one slice per call; every rank then counts its
+        copy as the shards'."""
+        if self.rank == 0:
+            weight = t.weight.detach()
+            calls, shards = [], []
+            for s in range(self.num_shards):
+                for a in range(int(t.bounds[s]), int(t.bounds[s + 1]), SLICE_ROWS):
+                    b = min(a + SLICE_ROWS, int(t.bounds[s + 1]))
+                    rows = weight[a:b].cpu().numpy()
+                    calls.append(
+                        self.transport.call(
+                            s, "table_write", self.model_id, t.ref.index, a, rows, {}, None, None
+                        )
+                    )
+                    shards.append(s)
+            self.wait(calls, shards, f"sending the rows of {t.name!r}")
+        t.version = t.weight._version
 
     def _map_rows(self, t: Table, shard: int, lo: int, hi: int, handle: SegmentHandle) -> None:
         """Maps a shard's rows of ``t`` for reading (by message where that fails)."""
@@ -327,15 +428,65 @@ class ShardedTables:
         ]
         for table, group in stepped:  # every refusal before any table changes
             optimizer_step_spec(optimizer, group, table.name)
+        # One step in flight: a shard applies a worker's updates in clock order.
+        self.flush()
+        for table, _ in stepped:
+            if table.spec.replica and table.weight._version != table.version:
+                self._resend(table)
+        if any(t.spec.replica for t, _ in stepped) and optimizer not in self._hooked:
+            self._hooked.add(optimizer)
+            optimizer.register_state_dict_post_hook(self._state_elsewhere)
         per_shard: list[list[PushEntry]] = [[] for _ in range(self.num_shards)]
         for table, group in stepped:
             for s, entry in enumerate(table.step(optimizer, group)):
                 per_shard[s].append(entry)
-        # One step in flight: a shard applies a worker's updates in clock order.
-        self.flush()
-        self._inflight = [self._call_push(s, entries) for s, entries in enumerate(per_shard)]
+        pushed_tables = [t for t, _ in stepped]
+        self._inflight = [
+            (self._call_push(s, entries), pushed_tables) for s, entries in enumerate(per_shard)
+        ]
         pushed = sum(e[2].nbytes + e[3].nbytes for entries in per_shard for e in entries)
         self.count(pushed=pushed, pushes=len(self._inflight))
+
+    def after_step(self) -> None:
+        """After ``optimizer.step()``: a replica's copy takes the rows the shards
+        changed, so the weight is current when the step returns (a sharded table's
+        update stays in flight until the next lookup)."""
+        if self.replicas:
+            self.flush()
+
+    def _resend(self, t: Table) -> None:
+        """A replica's weight changed outside the steps (``load_state_dict``, an
+        in-place edit): the shards take rank 0's copy, as the workers' copies came
+        from rank 0's at the start."""
+        if self.rank == 0:
+            logger.warning(
+                "The weight of %r changed outside optimizer.step() (load_state_dict?); "
+                "rank 0 sends it to the shards again, whole. Restore a table trained "
+                "with sparse_optimizer='shards' with get_ps_context().load_tables(), "
+                "which also restores its optimizer state.",
+                t.name,
+            )
+        self.send_replica(t)
+
+    def _state_elsewhere(
+        self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> dict[str, Any]:
+        """``optimizer.state_dict()`` lacks the state of the replica tables it holds:
+        say so where a checkpoint is being written, rather than lose it silently."""
+        names = [
+            t.name
+            for t in self.replicas
+            if any(id(t.weight) == id(p) for g in optimizer.param_groups for p in g["params"])
+        ]
+        if self.rank == 0 and names:
+            logger.warning(
+                "%s.state_dict() does not hold the optimizer state of %s: with "
+                "PSConfig(sparse_optimizer='shards') it lives on the parameter servers. "
+                "Save it with get_ps_context().save_tables(dir) beside your checkpoint.",
+                type(optimizer).__name__,
+                ", ".join(repr(n) for n in names),
+            )
+        return state
 
     def call_pull(self, shard: int, table: int, clock: int, ids: np.ndarray) -> Handle[Any]:
         """Asks ``shard`` for rows ``ids`` of ``table``: a frame on the direct path
@@ -376,10 +527,19 @@ class ShardedTables:
         self.stats["pushes"] += pushes
 
     def flush(self) -> None:
-        """Waits until this worker's last update of every table is applied."""
+        """Waits until this worker's last update of every table is applied; a
+        replica's copy takes the rows it changed."""
         inflight, self._inflight = self._inflight, []
-        if inflight:
-            self.wait(inflight, list(range(len(inflight))), "updating the sharded tables")
+        if not inflight:
+            return
+        answers = self.wait(
+            [h for h, _ in inflight], list(range(len(inflight))), "updating the tables"
+        )
+        for (_, tables), answer in zip(inflight, answers):
+            for table, (_, ids, rows) in zip(tables, unpack_push_answer(answer)):
+                if table.spec.replica:
+                    table.write_rows(ids, rows)
+                    self.count(pulled=ids.nbytes + rows.nbytes)
 
     def finish(self) -> None:
         """Confirms the last updates; the shards stop waiting for this worker."""

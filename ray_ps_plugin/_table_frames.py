@@ -13,7 +13,8 @@ Layouts (little-endian)::
     answer  = rows(f32 x n x dim)
     push    = meta_len(i64) meta(JSON, padded to 8 bytes) then per entry:
               ids(i64 x n) grads(f32 x n x dim)
-    answer  = steps(i64 per entry)
+    answer  = per entry: steps(i64) n(i64) dim(i64) ids(i64 x n) rows(f32 x n x dim)
+              (n > 0 only for a replica table: the rows its update changed)
 
 A push's JSON holds each entry's table, clock, row count, width, optimizer,
 hyperparameters and whether the worker's backward touched the table: a few
@@ -31,9 +32,16 @@ import numpy as np
 from ray_ps_plugin._errors import ShardProtocolError
 from ray_ps_plugin._rows import ByteReader
 from ray_ps_plugin._table_optim import OPTIMIZERS
-from ray_ps_plugin._table_store import PushEntry
+from ray_ps_plugin._table_store import PushAnswer, PushEntry
 
-__all__ = ["pack_pull", "pack_push", "unpack_pull", "unpack_push"]
+__all__ = [
+    "pack_pull",
+    "pack_push",
+    "pack_push_answer",
+    "unpack_pull",
+    "unpack_push",
+    "unpack_push_answer",
+]
 
 
 def pack_pull(table: int, clock: int, ids: np.ndarray) -> np.ndarray:
@@ -104,4 +112,38 @@ def unpack_push(payload: np.ndarray) -> list[PushEntry]:
         raise ShardProtocolError(f"a table push is malformed: {e}") from None
     if reader.left:
         raise ShardProtocolError(f"a table push has {reader.left} bytes after its entries")
+    return out
+
+
+def pack_push_answer(answers: Sequence[PushAnswer]) -> np.ndarray:
+    """A push's answer: per entry the step count and the rows it changed, if any."""
+    parts: list[np.ndarray] = []
+    for steps, ids, rows in answers:
+        n, dim = len(ids), int(rows.shape[1]) if rows.ndim == 2 else 0
+        parts.append(np.asarray([steps, n, dim], "<i8").view(np.uint8))
+        parts.append(np.ascontiguousarray(ids, "<i8").view(np.uint8).reshape(-1))
+        parts.append(np.ascontiguousarray(rows, "<f4").view(np.uint8).reshape(-1))
+    return np.concatenate(parts) if parts else np.empty(0, np.uint8)
+
+
+def unpack_push_answer(answer: np.ndarray | Sequence[PushAnswer]) -> list[PushAnswer]:
+    """The answers :func:`pack_push_answer` wrote (views into it); a Ray call's
+    answer, already a list, is returned as it is.
+
+    Raises:
+        ShardProtocolError: If the payload is not whole answers.
+    """
+    if not isinstance(answer, np.ndarray):
+        return list(answer)
+    reader = ByteReader(answer)
+    out: list[PushAnswer] = []
+    try:
+        while reader.left:
+            steps, n, dim = (int(v) for v in reader.take("<i8", 3))
+            if n < 0 or dim < 0:
+                raise ValueError(f"bad answer head {(steps, n, dim)}")
+            ids = reader.take("<i8", n)
+            out.append((steps, ids, reader.take("<f4", n * dim).reshape(n, dim)))
+    except (ValueError, IndexError) as e:
+        raise ShardProtocolError(f"a table push's answer is malformed: {e}") from None
     return out

@@ -1,8 +1,10 @@
-"""Which layers are sharded embedding tables, and what they and their optimizers may be.
+"""Which layers are tables trained on the shards, and what they and their optimizers may be.
 
 A sharded table is an ``nn.Embedding`` or ``nn.EmbeddingBag`` whose weight is on the
-meta device (see :mod:`ray_ps_plugin._table_client`). This module finds them, keeps
-their weight out of ``Module.to()``, and refuses, with the fix, the layers and
+meta device (see :mod:`ray_ps_plugin._table_client`). A replica table is one with
+sparse gradients on a real device under ``PSConfig(sparse_optimizer="shards")``:
+every worker holds it, the shards step it. This module finds both, keeps a sharded
+table's weight out of ``Module.to()``, and refuses, with the fix, the layers and
 optimizer settings the shards cannot train.
 """
 
@@ -22,6 +24,8 @@ __all__ = [
     "meta_table_names",
     "meta_tables",
     "optimizer_step_spec",
+    "replica_table_names",
+    "replica_tables",
     "skipped_in_apply",
 ]
 
@@ -58,6 +62,47 @@ def skipped_in_apply(m: torch.nn.Module) -> list[str]:
     if not _is_meta_table(m):
         return []
     return ["weight"] if "weight" in dict(m.named_parameters(recurse=False)) else []
+
+
+def replica_tables(module: torch.nn.Module) -> list[tuple[str, Layer]]:
+    """``(name, layer)`` of every embedding layer with sparse gradients whose trainable
+    weight is on a real device: what ``sparse_optimizer="shards"`` steps on the shards."""
+    return [
+        (n, m)
+        for n, m in module.named_modules()
+        if isinstance(m, _TABLE_TYPES)
+        and m.sparse
+        and not m.weight.is_meta
+        and m.weight.requires_grad
+    ]
+
+
+def replica_table_names(module: torch.nn.Module) -> list[str]:
+    """The qualified names of those layers' weights (what DDP must ignore).
+
+    Raises:
+        ValueError: For a layer the shards cannot step, naming it and the fix.
+    """
+    names = []
+    for name, m in replica_tables(module):
+        where = (
+            f"The embedding layer {name or type(module).__name__!r} has sparse gradients "
+            "and PSConfig(sparse_optimizer='shards') steps it on the shards"
+        )
+        if m.max_norm is not None:
+            raise ValueError(
+                f"{where}, but max_norm={m.max_norm} renormalises rows of each worker's "
+                "copy inside forward, which the shards' rows would not follow. Drop "
+                "max_norm, or use sparse_optimizer='workers'."
+            )
+        if m.weight.dtype != torch.float32:
+            raise ValueError(
+                f"{where}, which keep float32 rows; its weight is {m.weight.dtype}. Build "
+                "it in float32, or use sparse_optimizer='workers' (which trains "
+                "16-bit tables)."
+            )
+        names.append(f"{name}.weight" if name else "weight")
+    return names
 
 
 def check_tables(module: torch.nn.Module, mode: Mode) -> None:
@@ -110,7 +155,8 @@ def optimizer_step_spec(
         ValueError: For an optimizer (or an option) the shards do not apply.
     """
     fix = (
-        f"The sharded table {table!r} is stepped by {type(optimizer).__name__}; the "
+        f"The table {table!r}, trained on the shards, is stepped by "
+        f"{type(optimizer).__name__}; the "
         "shards apply SparseAdam, SGD (no momentum, no weight decay) or Adagrad (no "
         "weight decay) to its rows. Give the table an optimizer of its own, e.g. "
         "torch.optim.SparseAdam([layer.weight]), and keep yours for the other parameters."

@@ -17,6 +17,12 @@ each push is applied as it comes and a pull at clock ``c`` waits until every
 unfinished worker has pushed ``c - s``; ``"async"`` never waits. A push that
 repeats a clock already taken is ignored (delivery is idempotent).
 
+A *replica* table (``TableSpec.replica``: ``PSConfig(sparse_optimizer="shards")``)
+is a table every worker also holds whole: the shard's rows start as rank 0's (written
+by it after creation), workers never pull, and each sync push is answered with the
+rows its clock changed and their new values, which the workers write into their
+copies.
+
 NumPy only: a sync shard process stays free of torch.
 """
 
@@ -31,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
-from ray_ps_plugin._rows import row_bounds
+from ray_ps_plugin._rows import row_bounds, sum_rows
 from ray_ps_plugin._shm import Segment, SegmentHandle
 from ray_ps_plugin._shm import available as shm_available
 from ray_ps_plugin._table_optim import TableOptimizer, apply_step, new_state
@@ -40,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "INIT_BLOCK_ROWS",
+    "PushAnswer",
     "PushEntry",
     "TableSpec",
     "TableStore",
@@ -53,6 +60,10 @@ INIT_BLOCK_ROWS = 1 << 16
 #: touched)``; ``touched``: whether the worker's backward reached the table at all
 #: (its rows may all be another shard's), as a torch gradient that is not ``None``.
 PushEntry = tuple[int, int, np.ndarray, np.ndarray, TableOptimizer, dict[str, float], bool]
+#: What a push gets back per entry: ``(steps, ids, rows)``, the optimizer's step count
+#: once the update is applied and, for a replica table, the rows that update changed
+#: on this shard (table row indices, sorted) with their new values (empty otherwise).
+PushAnswer = tuple[int, np.ndarray, np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -67,6 +78,9 @@ class TableSpec:
         staleness: The mode's bound on clock gaps: 0 in sync (with summed
             updates), ``s`` in ssp, ``None`` in async.
         sync: Whether a clock's pushes are summed and applied together.
+        replica: Whether every worker holds the whole table too (sync only): the
+            shard's rows come from rank 0, and a push's answer carries the rows its
+            update changed.
     """
 
     rows: int
@@ -75,6 +89,7 @@ class TableSpec:
     seed: int
     staleness: int | None
     sync: bool
+    replica: bool = False
 
 
 def init_rows(
@@ -119,6 +134,9 @@ class _Table:
     pending: dict[int, list[tuple[int, np.ndarray, np.ndarray, bool]]] = field(default_factory=dict)
     pending_hyper: dict[int, dict[str, float]] = field(default_factory=dict)
     generation: int = 0  # restores so far (load_tables)
+    # Replica tables: the rows each recent clock changed (table indices) and their
+    # values after it; a worker pushes clock c + 1 only after its answer to c.
+    changed_rows: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
 
     def slowest(self) -> int:
@@ -160,6 +178,11 @@ class TableStore:
         (idempotent: every worker asks); returns the row range held. ``shared``: in
         a shared-memory segment (see :meth:`segment`), where the host allows one."""
         key = (model, table)
+        if spec.replica and not spec.sync:
+            raise ShardProtocolError(
+                f"shard {self.shard_index}: table {table} of model {model} is a replica "
+                "table outside sync mode; every worker's copy would drift."
+            )
         if key in self._tables:
             if self._tables[key].spec != spec:
                 raise ShardProtocolError(
@@ -171,7 +194,9 @@ class TableStore:
         bounds = row_bounds(spec.rows, num_shards)
         lo, hi = bounds[self.shard_index], bounds[self.shard_index + 1]
         segment = _shared_rows(hi - lo, spec.dim) if shared else None
-        if segment is None:
+        if spec.replica:  # rank 0 writes its rows next
+            weight = np.zeros((hi - lo, spec.dim), np.float32)
+        elif segment is None:
             weight = init_rows(spec, table, lo, hi)
         else:
             view = segment.view(0, "float32", (hi - lo) * spec.dim)
@@ -241,12 +266,16 @@ class TableStore:
                 optimizer other than the one the table was trained with.
         """
         entry = (table, clock, ids, grads, optimizer, hyper, touched)
-        (steps,) = await self.push_many(model, rank, [entry])
+        ((steps, _, _),) = await self.push_many(model, rank, [entry])
         return steps
 
-    async def push_many(self, model: int, rank: int, entries: Sequence[PushEntry]) -> list[int]:
+    async def push_many(
+        self, model: int, rank: int, entries: Sequence[PushEntry]
+    ) -> list[PushAnswer]:
         """:meth:`push` for several tables of one model at once (one optimizer step
-        of a worker): every update is taken before any is waited for."""
+        of a worker): every update is taken before any is waited for. Answers each
+        entry with the step count and, for a replica table, the rows its clock
+        changed here with their new values."""
         tables = [self._take(model, rank, *entry) for entry in entries]
         for t in {id(t): t for t in tables}.values():
             async with t.changed:
@@ -256,7 +285,13 @@ class TableStore:
                 await self._wait(
                     t, lambda t=t, c=clock: t.applied >= c, f"update {clock} of table {table}"
                 )
-        return [t.steps for t in tables]
+        return [self._answer(t, clock) for t, (_, clock, *_) in zip(tables, entries)]
+
+    def _answer(self, t: _Table, clock: int) -> PushAnswer:
+        if t.spec.replica and clock in t.changed_rows:
+            ids, rows = t.changed_rows[clock]
+            return t.steps, ids, rows
+        return t.steps, np.empty(0, np.int64), np.empty((0, t.spec.dim), np.float32)
 
     def _take(
         self,
@@ -311,13 +346,13 @@ class TableStore:
                 return
             del t.pending[clock]
             hyper = t.pending_hyper.pop(clock)
-            ids = np.concatenate([i for _, i, _, _ in got])
-            grads = np.concatenate([g for _, _, g, _ in got])
-            rows, inverse = np.unique(ids, return_inverse=True)
-            summed = np.zeros((len(rows), t.spec.dim), np.float32)
-            np.add.at(summed, inverse, grads)
+            got.sort(key=lambda push: push[0])  # rank order: the same bits every run
+            rows, summed = sum_rows([i for _, i, _, _ in got], [g for _, _, g, _ in got])
             self._apply(t, rows, summed, hyper, any(touched for *_, touched in got))
             t.applied = clock
+            if t.spec.replica:
+                t.changed_rows[clock] = (rows + t.lo, t.weight[rows])
+                t.changed_rows.pop(clock - 2, None)
 
     def _apply(
         self,
@@ -388,10 +423,11 @@ class TableStore:
         weight: np.ndarray,
         state: dict[str, np.ndarray],
         optimizer: TableOptimizer | None,
-        steps: int,
+        steps: int | None,
     ) -> None:
         """Overwrites the rows from ``lo`` that fall in this shard's block (a restore;
-        rows elsewhere in ``weight`` are ignored)."""
+        rows elsewhere in ``weight`` are ignored). ``steps=None`` keeps the step count
+        (a replica's rows sent again)."""
         t = self._table(model, table)
         a, b = max(lo, t.lo), min(lo + len(weight), t.hi)
         if a >= b:
@@ -403,7 +439,8 @@ class TableStore:
         for name, values in state.items():
             if name in t.state:
                 t.state[name][a - t.lo : b - t.lo] = values[a - lo : b - lo]
-        t.steps = steps
+        if steps is not None:
+            t.steps = steps
 
     async def loaded(self, model: int, generation: int) -> None:
         """Marks a restore of every table of ``model`` as complete (rank 0)."""

@@ -32,6 +32,7 @@ __all__ = [
     "COMM_HOOKS_ATTR",
     "DDP_IGNORE_ATTR",
     "DDP_IGNORE_METHOD",
+    "ddp_ignored",
     "drop_comm_hooks",
     "ignore_in_ddp",
     "missing_names",
@@ -61,6 +62,11 @@ APPLY_METHOD = "_apply"
 
 # Checked against torch 2.14.1: where that method keeps the names on the module.
 DDP_IGNORE_ATTR = "_ddp_params_and_buffers_to_ignore"
+
+
+def ddp_ignored(module: torch.nn.Module) -> frozenset[str]:
+    """The names of the parameters and buffers a DDP around ``module`` leaves alone."""
+    return frozenset(getattr(module, DDP_IGNORE_ATTR, ()))
 
 
 def ignore_in_ddp(module: torch.nn.Module, names: Sequence[str]) -> None:

@@ -18,6 +18,7 @@ __all__ = [
     "OUTER_OPTIMIZERS",
     "ROUND_MODES",
     "SERVER_PLACEMENTS",
+    "SPARSE_OPTIMIZERS",
     "STRATEGIES",
     "Compression",
     "DataPath",
@@ -27,6 +28,7 @@ __all__ = [
     "RoundMode",
     "RunSettings",
     "ServerPlacement",
+    "SparseOptimizer",
     "Strategy",
     "outer_learning_rate",
     "staleness_bound",
@@ -40,6 +42,7 @@ ServerPlacement = Literal["auto", "worker", "node"]
 DataPath = Literal["tcp", "object_store"]
 OuterOptimizer = Literal["nesterov", "average"]
 RoundMode = Literal["sync", "async"]
+SparseOptimizer = Literal["workers", "shards"]
 
 STRATEGIES: tuple[Strategy, ...] = get_args(Strategy)
 MODES: tuple[Mode, ...] = get_args(Mode)
@@ -49,6 +52,7 @@ SERVER_PLACEMENTS: tuple[ServerPlacement, ...] = get_args(ServerPlacement)
 DATA_PATHS: tuple[DataPath, ...] = get_args(DataPath)
 OUTER_OPTIMIZERS: tuple[OuterOptimizer, ...] = get_args(OuterOptimizer)
 ROUND_MODES: tuple[RoundMode, ...] = get_args(RoundMode)
+SPARSE_OPTIMIZERS: tuple[SparseOptimizer, ...] = get_args(SparseOptimizer)
 
 #: The outer learning rate of each outer optimizer when ``PSConfig.outer_lr`` is
 #: ``None``: DiLoCo's 0.7 for Nesterov momentum, 1 for plain averaging (the new
@@ -100,3 +104,4 @@ class RunSettings(Protocol):
     outer_momentum: float
     diloco_rounds: RoundMode
     diloco_overlap: bool
+    sparse_optimizer: SparseOptimizer

@@ -40,6 +40,7 @@ from ray_ps_plugin._types import (
     OUTER_OPTIMIZERS,
     ROUND_MODES,
     SERVER_PLACEMENTS,
+    SPARSE_OPTIMIZERS,
     STRATEGIES,
     Compression,
     DataPath,
@@ -48,6 +49,7 @@ from ray_ps_plugin._types import (
     OuterOptimizer,
     RoundMode,
     ServerPlacement,
+    SparseOptimizer,
     Strategy,
 )
 
@@ -145,6 +147,18 @@ class PSConfig(TorchConfig):
             round's local steps (one round of delay: the answer is installed at the
             end of the next round, plus the local progress since). Hides the
             transfer; changes the maths, so off by default.
+        sparse_optimizer: Where the optimizer of sparse embedding tables
+            (``nn.Embedding`` / ``nn.EmbeddingBag`` with ``sparse=True`` on a real
+            device) runs in ``"sync"``. ``"workers"`` (the default): as under DDP,
+            the shards answer every worker with the union of touched rows, summed,
+            and each worker's optimizer steps its own copy of the table.
+            ``"shards"``: each shard applies the table's optimizer (SparseAdam, SGD
+            or Adagrad, with the user optimizer's hyperparameters at that step) once
+            to the rows it owns, and answers with those rows' new values, which the
+            workers write into their copies; the optimizer's state for the table
+            lives on the shards (checkpoint it with ``save_tables``). Saves every
+            worker the optimizer's work on the union of rows. Only with
+            ``mode="sync"``.
         backend: Torch process-group backend (see TorchConfig). The PS strategy still
             starts one, because DDP's constructor broadcasts rank 0's initial
             parameters and buffers through it.
@@ -175,6 +189,7 @@ class PSConfig(TorchConfig):
     outer_momentum: float = 0.9
     diloco_rounds: RoundMode = "sync"
     diloco_overlap: bool = False
+    sparse_optimizer: SparseOptimizer = "workers"
 
     def __post_init__(self) -> None:
         _check_choice("strategy", self.strategy, STRATEGIES)
@@ -198,6 +213,14 @@ class PSConfig(TorchConfig):
                 raise TypeError(
                     f"PSConfig.{name} must be True or False, got {type(value).__name__} {value!r}."
                 )
+        _check_choice("sparse_optimizer", self.sparse_optimizer, SPARSE_OPTIMIZERS)
+        if self.sparse_optimizer == "shards" and self.mode != "sync":
+            raise ValueError(
+                f"PSConfig.sparse_optimizer='shards' only applies to mode='sync' (got "
+                f"mode={self.mode!r}): the shards answer a step with the rows it changed, "
+                "which keeps every worker's copy of a table equal only when each step "
+                "waits for all workers. Use mode='sync', or sparse_optimizer='workers'."
+            )
         if self.server_placement == "node" and self.num_servers is not None:
             raise ValueError(
                 f"PSConfig.server_placement='node' starts one shard per node and cannot "

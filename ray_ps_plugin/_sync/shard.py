@@ -42,7 +42,7 @@ from ray_ps_plugin._sync.row_relay import RowRelay
 from ray_ps_plugin._sync.sums import ChunkSums, Slot
 from ray_ps_plugin._sync.topology import Topology
 from ray_ps_plugin._sync.wire import WireServer, WireStreams, await_answer, relay_failure
-from ray_ps_plugin._table_frames import unpack_pull, unpack_push
+from ray_ps_plugin._table_frames import pack_push_answer, unpack_pull, unpack_push
 from ray_ps_plugin._types import Compression
 
 __all__ = ["SumShard"]
@@ -135,8 +135,8 @@ class SumShard(ShardBase):
             rows = await self.table_pull(frame.model, table, frame.source, clock, ids)
             return np.ascontiguousarray(rows, np.float32).view(np.uint8).reshape(-1)
         if frame.kind == TABLE_PUSH:
-            steps = await self.table_push(frame.model, frame.source, unpack_push(payload))
-            return np.asarray(steps, "<i8").view(np.uint8)
+            pushed = await self.table_push(frame.model, frame.source, unpack_push(payload))
+            return pack_push_answer(pushed)
         if frame.kind == LOCAL:
             chunks = unpack_local(payload)
             await self.push_local(frame.model, frame.step, frame.source, frame.dtype, chunks)

@@ -23,7 +23,13 @@ pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 STEPS = 20
 SCALING = ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5})
-MODES = {"ddp": {"strategy": "ddp"}, "sync": {"mode": "sync"}, "async": {"mode": "async"}}
+MODES = {
+    "ddp": {"strategy": "ddp"},
+    "sync": {"mode": "sync"},
+    "async": {"mode": "async"},
+    # Real tables, every worker holding them, stepped on the shards.
+    "replica": {"mode": "sync", "sparse_optimizer": "shards"},
+}
 # One worker per node: each reads its own node's shard from shared memory and asks
 # the other node's shard by message.
 TWO_NODES = ScalingConfig(
@@ -41,7 +47,11 @@ def _fit(
         config["marker_dir"] = str(marker_dir)
     result = PSTrainer(
         tl.table_loop,
-        train_loop_config={"steps": STEPS, "optimizer": "sparse_adam", "meta": mode != "ddp"}
+        train_loop_config={
+            "steps": STEPS,
+            "optimizer": "sparse_adam",
+            "meta": mode not in ("ddp", "replica"),
+        }
         | config,
         ps_config=PSConfig(ps_timeout_s=20, **MODES[mode]),
         scaling_config=scaling,
@@ -67,6 +77,8 @@ def runs(ray_cluster, tmp_path_factory):
                 done[name] = _fit(storage, name, "sync", every=5, crash_after=12)
             elif name == "two_nodes":
                 done[name] = _fit(storage, name, "sync", TWO_NODES)
+            elif name == "replica_crash":
+                done[name] = _fit(storage, name, "replica", every=5, crash_after=12)
             else:
                 done[name] = _fit(storage, name, name)
         return done[name]
@@ -135,3 +147,25 @@ def test_across_two_nodes_sync_still_ends_with_the_parameters_of_ddp(runs):
     """Workers on two nodes: rows of the node's own shard from shared memory, the
     other node's by message, and the same parameters as DDP."""
     assert _max_diff(runs("ddp"), runs("two_nodes")) <= 1e-5
+
+
+def test_replicated_tables_stepped_on_the_shards_end_with_the_parameters_of_ddp(runs):
+    """sparse_optimizer='shards': the same real tables as DDP's, SparseAdam under
+    StepLR applied once on the shards, each worker's copy written from their
+    answers; DDP's parameters, and only touched rows travel."""
+    ddp, replica = runs("ddp"), runs("replica")
+    assert replica["metrics"]["initial"] == pytest.approx(ddp["metrics"]["initial"], abs=1e-6)
+    assert _max_diff(ddp, replica) <= 1e-5
+    stats = replica["metrics"]["stats"]
+    per_step = (stats["bytes_pulled"] + stats["bytes_pushed"]) / STEPS
+    assert 0 < per_step < 0.5 * 4 * sum(tl.ROWS) * tl.DIM
+
+
+def test_replicated_tables_stepped_on_the_shards_resume_from_save_tables(runs):
+    """Rank 1 exits after step 12; the restart's load_tables restores the shards'
+    rows and SparseAdam state and every worker's copy, and the run ends as the
+    uninterrupted one."""
+    crash, replica = runs("replica_crash"), runs("replica")
+    assert crash["metrics"]["start"] in (5, 10)
+    assert _max_diff(crash, replica) <= 1e-5
+    assert loops.wait_until(lambda: loops.live_shards() == 0)

@@ -211,6 +211,7 @@ class Settings:
         outer_momentum=0.9,
         diloco_rounds="sync",
         diloco_overlap=False,
+        sparse_optimizer="workers",
     ):
         self.mode, self.staleness, self.chunk_bytes = mode, staleness, chunk_bytes
         self.ps_timeout_s, self.nan_policy = ps_timeout_s, nan_policy
@@ -218,6 +219,7 @@ class Settings:
         self.local_steps, self.outer_optimizer = local_steps, outer_optimizer
         self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
         self.diloco_rounds, self.diloco_overlap = diloco_rounds, diloco_overlap
+        self.sparse_optimizer = sparse_optimizer
 
 
 def setup_for(
