@@ -1,9 +1,10 @@
 """Checkpoints of sharded embedding tables, one shard's slice at a time.
 
-:func:`save_tables` (rank 0) reads each shard's rows with their optimizer state in
-slices and writes one ``.npz`` file per slice, so a worker never holds a whole
-table; :func:`load_tables` sends each file's rows to every shard whose block they
-overlap, so a restore works onto any number of shards. Layout under the
+:func:`save_tables` (rank 0) reads the rows with their optimizer state in slices
+(from every shard holding some of a slice) and writes one ``.npz`` file per slice,
+so a worker never holds a whole table; :func:`load_tables` sends each file's rows
+to every shard holding some of them, so a restore works onto any number of shards,
+whether a table's rows are split in ranges or interleaved. Layout under the
 checkpoint's folder: ``model<M>/table<T>/table.json`` (shape, optimizer, step
 count) and ``rows<first row>.npz`` (``weight`` and the optimizer's state arrays).
 """
@@ -22,21 +23,42 @@ __all__ = ["load_tables", "save_tables"]
 
 
 def save_tables(tables: ShardedTables, path: Path) -> None:
-    """Writes every table of the model under ``path``, one shard's slice at a time."""
+    """Writes every table of the model under ``path``, one slice of rows at a time."""
     tables.flush()
     for t in tables.tables:
         folder = path / f"model{tables.model_id}" / f"table{t.ref.index}"
         folder.mkdir(parents=True, exist_ok=True)
         meta: dict[str, Any] = {"rows": t.spec.rows, "dim": t.spec.dim, "name": t.name}
-        for s in range(tables.num_shards):
-            lo, hi = int(t.bounds[s]), int(t.bounds[s + 1])
-            for a in range(lo, hi, SLICE_ROWS):
-                b = min(a + SLICE_ROWS, hi)
-                call = tables.transport.call(s, "table_read", tables.model_id, t.ref.index, a, b)
-                (part,) = tables.wait([call], [s], f"reading rows of {t.name!r}")
-                np.savez(folder / f"rows{a:012d}.npz", weight=part["weight"], **part["state"])
-                meta.update(optimizer=part["optimizer"], steps=part["steps"])
+        for a in range(0, t.spec.rows, SLICE_ROWS):
+            b = min(a + SLICE_ROWS, t.spec.rows)
+            weight, state, optimizer, steps = _read_rows(tables, t, a, b)
+            arrays: dict[str, Any] = {"weight": weight, **state}
+            np.savez(folder / f"rows{a:012d}.npz", **arrays)
+            meta.update(optimizer=optimizer, steps=steps)
         (folder / "table.json").write_text(json.dumps(meta))
+
+
+def _read_rows(
+    tables: ShardedTables, t: Table, lo: int, hi: int
+) -> tuple[np.ndarray, dict[str, np.ndarray], Any, int]:
+    """Rows ``[lo, hi)`` of ``t`` with their optimizer state, from every shard
+    holding some of them (each answers its rows and the step between them),
+    with the optimizer's name and step count."""
+    weight = np.empty((hi - lo, t.spec.dim), np.float32)
+    state: dict[str, np.ndarray] = {}
+    optimizer, steps = None, 0
+    shards = t.holding(lo, hi)
+    calls = [
+        tables.transport.call(s, "table_read", tables.model_id, t.ref.index, lo, hi) for s in shards
+    ]
+    for part in tables.wait(calls, shards, f"reading rows of {t.name!r}"):
+        n, first = len(part["weight"]), part["lo"] - lo
+        picked = slice(first, first + (n - 1) * part["stride"] + 1, part["stride"])
+        weight[picked] = part["weight"]
+        for name, values in part["state"].items():
+            state.setdefault(name, np.zeros_like(weight))[picked] = values
+        optimizer, steps = part["optimizer"] or optimizer, max(steps, part["steps"])
+    return weight, state, optimizer, steps
 
 
 def load_tables(tables: ShardedTables, path: Path) -> None:
@@ -63,13 +85,9 @@ def load_tables(tables: ShardedTables, path: Path) -> None:
 
 def _read_replica(tables: ShardedTables, t: Table) -> None:
     """A worker's copy of a replica table takes the restored rows, slice by slice."""
-    for s in range(tables.num_shards):
-        lo, hi = int(t.bounds[s]), int(t.bounds[s + 1])
-        for a in range(lo, hi, SLICE_ROWS):
-            b = min(a + SLICE_ROWS, hi)
-            call = tables.transport.call(s, "table_read", tables.model_id, t.ref.index, a, b)
-            (part,) = tables.wait([call], [s], f"reading rows of {t.name!r}")
-            t.write_rows(np.arange(a, b), part["weight"])
+    for a in range(0, t.spec.rows, SLICE_ROWS):
+        b = min(a + SLICE_ROWS, t.spec.rows)
+        t.write_rows(np.arange(a, b), _read_rows(tables, t, a, b)[0])
 
 
 def _load_table(tables: ShardedTables, t: Table, folder: Path) -> None:
@@ -85,7 +103,7 @@ def _load_table(tables: ShardedTables, t: Table, folder: Path) -> None:
             weight = data["weight"]
             state = {k: data[k] for k in data.files if k != "weight"}
         hi = lo + len(weight)
-        shards = [s for s in range(tables.num_shards) if t.bounds[s] < hi and lo < t.bounds[s + 1]]
+        shards = t.holding(lo, hi)
         calls = [
             tables.transport.call(
                 s,

@@ -225,11 +225,29 @@ class Table:
             ids, summed = self._summed()
         grads = (summed / self._owner.world_size).numpy()
         ids_np = ids.numpy()
-        cuts = np.searchsorted(ids_np, self.bounds)
         self.clock += 1
+        if self.spec.replica:  # interleaved rows: shard s holds rows s, s + S, ...
+            owner = ids_np % self._owner.num_shards
+            parts = [owner == s for s in range(self._owner.num_shards)]
+            return [
+                (self.ref.index, self.clock, ids_np[m], grads[m], kind, hyper, touched)
+                for m in parts
+            ]
+        cuts = np.searchsorted(ids_np, self.bounds)
         return [
             (self.ref.index, self.clock, ids_np[a:b], grads[a:b], kind, hyper, touched)
             for a, b in itertools.pairwise(cuts)
+        ]
+
+    def holding(self, lo: int, hi: int) -> list[int]:
+        """The shards holding some of the rows ``[lo, hi)`` (every shard, for a
+        replica's interleaved rows)."""
+        if self.spec.replica:
+            return list(range(len(self.bounds) - 1))
+        return [
+            s
+            for s in range(len(self.bounds) - 1)
+            if self.bounds[s] < hi and lo < self.bounds[s + 1]
         ]
 
     def _replica_grad(self) -> tuple[bool, torch.Tensor, torch.Tensor]:
@@ -380,18 +398,17 @@ class ShardedTables:
         copy as the shards'."""
         if self.rank == 0:
             weight = t.weight.detach()
-            calls, shards = [], []
-            for s in range(self.num_shards):
-                for a in range(int(t.bounds[s]), int(t.bounds[s + 1]), SLICE_ROWS):
-                    b = min(a + SLICE_ROWS, int(t.bounds[s + 1]))
-                    rows = weight[a:b].cpu().numpy()
-                    calls.append(
-                        self.transport.call(
-                            s, "table_write", self.model_id, t.ref.index, a, rows, {}, None, None
-                        )
+            for a in range(0, t.spec.rows, SLICE_ROWS):
+                b = min(a + SLICE_ROWS, t.spec.rows)
+                rows = weight[a:b].cpu().numpy()  # every shard keeps its own of them
+                shards = t.holding(a, b)
+                calls = [
+                    self.transport.call(
+                        s, "table_write", self.model_id, t.ref.index, a, rows, {}, None, None
                     )
-                    shards.append(s)
-            self.wait(calls, shards, f"sending the rows of {t.name!r}")
+                    for s in shards
+                ]
+                self.wait(calls, shards, f"sending the rows of {t.name!r}")
         t.version = t.weight._version
 
     def _map_rows(self, t: Table, shard: int, lo: int, hi: int, handle: SegmentHandle) -> None:

@@ -71,8 +71,9 @@ def apply_step(
     elif optimizer == "sparse_adam":  # as torch's SparseAdam
         beta1, beta2, eps = hyper["beta1"], hyper["beta2"], hyper["eps"]
         m, v = state["exp_avg"], state["exp_avg_sq"]
-        m_rows = m[rows] + (grads - m[rows]) * (1 - beta1)
-        v_rows = v[rows] + (grads * grads - v[rows]) * (1 - beta2)
+        m_old, v_old = m[rows], v[rows]  # one gather each: the rows are scattered
+        m_rows = m_old + (grads - m_old) * (1 - beta1)
+        v_rows = v_old + (grads * grads - v_old) * (1 - beta2)
         m[rows], v[rows] = m_rows, v_rows
         step_size = lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
         weight[rows] -= step_size * m_rows / (np.sqrt(v_rows) + eps)

@@ -21,7 +21,9 @@ A *replica* table (``TableSpec.replica``: ``PSConfig(sparse_optimizer="shards")`
 is a table every worker also holds whole: the shard's rows start as rank 0's (written
 by it after creation), workers never pull, and each sync push is answered with the
 rows its clock changed and their new values, which the workers write into their
-copies.
+copies. Its rows are interleaved (shard ``s`` of ``S`` holds rows ``s, s + S, ...``)
+rather than in ranges: ids numbered by frequency would put every hot row, and the
+optimizer's work on them, on shard 0.
 
 NumPy only: a sync shard process stays free of torch.
 """
@@ -114,7 +116,9 @@ def init_rows(
 
 @dataclass
 class _Table:
-    """One table's block of rows on this shard."""
+    """One table's block of rows on this shard: local row ``i`` is the table's row
+    ``lo + i * stride`` (below ``hi``); ``stride`` is 1 for a range of rows, the
+    number of shards for interleaved rows."""
 
     spec: TableSpec
     lo: int
@@ -138,6 +142,13 @@ class _Table:
     # values after it; a worker pushes clock c + 1 only after its answer to c.
     changed_rows: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+    stride: int = 1
+
+    def own(self, lo: int, hi: int) -> tuple[int, int]:
+        """The local rows ``[a, b)`` holding this block's rows among ``[lo, hi)``."""
+        a = max(0, -(-(lo - self.lo) // self.stride))
+        b = min(len(self.weight), -(-(hi - self.lo) // self.stride))
+        return a, max(a, b)
 
     def slowest(self) -> int:
         active = [c for r, c in enumerate(self.clocks) if r not in self.finished]
@@ -191,12 +202,17 @@ class TableStore:
                     f"{spec}); every worker must build the same model."
                 )
             return self._tables[key].lo, self._tables[key].hi
+        if spec.replica:  # interleaved rows; rank 0 writes them next
+            lo, hi, stride = self.shard_index, spec.rows, num_shards
+            count = len(range(lo, hi, stride))
+            t = _Table(spec, lo, hi, self.num_workers, np.zeros((count, spec.dim), np.float32))
+            t.stride, t.clocks = stride, [0] * self.num_workers
+            self._tables[key] = t
+            return lo, hi
         bounds = row_bounds(spec.rows, num_shards)
         lo, hi = bounds[self.shard_index], bounds[self.shard_index + 1]
         segment = _shared_rows(hi - lo, spec.dim) if shared else None
-        if spec.replica:  # rank 0 writes its rows next
-            weight = np.zeros((hi - lo, spec.dim), np.float32)
-        elif segment is None:
+        if segment is None:
             weight = init_rows(spec, table, lo, hi)
         else:
             view = segment.view(0, "float32", (hi - lo) * spec.dim)
@@ -221,11 +237,18 @@ class TableStore:
             ) from None
 
     def _local(self, t: _Table, ids: np.ndarray) -> np.ndarray:
-        if ids.size and (int(ids.min()) < t.lo or int(ids.max()) >= t.hi):
+        offset = ids.astype(np.int64) - t.lo
+        if ids.size and (
+            int(offset.min()) < 0
+            or int(ids.max()) >= t.hi
+            or (t.stride > 1 and bool((offset % t.stride).any()))
+        ):
+            held = f"[{t.lo}, {t.hi})" + (f" in steps of {t.stride}" if t.stride > 1 else "")
             raise ShardProtocolError(
-                f"shard {self.shard_index}: rows outside [{t.lo}, {t.hi}) were sent to it."
+                f"shard {self.shard_index}: rows it does not hold (it holds {held}) were "
+                "sent to it."
             )
-        return ids.astype(np.int64) - t.lo
+        return offset // t.stride if t.stride > 1 else offset
 
     # --- the step --------------------------------------------------------------------
     async def pull(
@@ -351,7 +374,7 @@ class TableStore:
             self._apply(t, rows, summed, hyper, any(touched for *_, touched in got))
             t.applied = clock
             if t.spec.replica:
-                t.changed_rows[clock] = (rows + t.lo, t.weight[rows])
+                t.changed_rows[clock] = (rows * t.stride + t.lo, t.weight[rows])
                 t.changed_rows.pop(clock - 2, None)
 
     def _apply(
@@ -368,9 +391,11 @@ class TableStore:
         skip a parameter whose gradient is ``None``."""
         if touched:
             t.steps += 1
-        if t.spec.padding_idx is not None and t.lo <= t.spec.padding_idx < t.hi:
-            # As torch's sparse gradients: the padding row is never touched.
-            keep = rows != t.spec.padding_idx - t.lo
+        padding = t.spec.padding_idx
+        a, b = (0, 0) if padding is None else t.own(padding, padding + 1)
+        if a < b:
+            # As torch's sparse gradients: the padding row (local row a) is never touched.
+            keep = rows != a
             rows, grads = rows[keep], grads[keep]
         if not len(rows):
             return
@@ -403,11 +428,13 @@ class TableStore:
 
     # --- checkpoints -------------------------------------------------------------------
     def read(self, model: int, table: int, lo: int, hi: int) -> dict[str, Any]:
-        """Rows ``[lo, hi)`` of this shard's block with their optimizer state."""
+        """This shard's rows among the table's rows ``[lo, hi)`` with their optimizer
+        state: the first one's row (``lo``) and the step between them (``stride``)."""
         t = self._table(model, table)
-        a, b = max(lo, t.lo) - t.lo, min(hi, t.hi) - t.lo
+        a, b = t.own(lo, hi)
         return {
-            "lo": t.lo + a,
+            "lo": t.lo + a * t.stride,
+            "stride": t.stride,
             "weight": t.weight[a:b].copy(),
             "state": {n: s[a:b].copy() for n, s in t.state.items()},
             "optimizer": t.optimizer,
@@ -425,20 +452,22 @@ class TableStore:
         optimizer: TableOptimizer | None,
         steps: int | None,
     ) -> None:
-        """Overwrites the rows from ``lo`` that fall in this shard's block (a restore;
-        rows elsewhere in ``weight`` are ignored). ``steps=None`` keeps the step count
-        (a replica's rows sent again)."""
+        """Overwrites the table's rows from ``lo`` (``weight``'s first row) that this
+        shard holds (a restore; the others are ignored). ``steps=None`` keeps the
+        step count (a replica's rows sent again)."""
         t = self._table(model, table)
-        a, b = max(lo, t.lo), min(lo + len(weight), t.hi)
+        a, b = t.own(lo, lo + len(weight))
         if a >= b:
             return
         if optimizer is not None and t.optimizer is None:
             t.optimizer = optimizer
             t.state = new_state(t.weight, optimizer)
-        t.weight[a - t.lo : b - t.lo] = weight[a - lo : b - lo]
+        first = t.lo + a * t.stride - lo  # this shard's first row within ``weight``
+        picked = slice(first, first + (b - a - 1) * t.stride + 1, t.stride)
+        t.weight[a:b] = weight[picked]
         for name, values in state.items():
             if name in t.state:
-                t.state[name][a - t.lo : b - t.lo] = values[a - lo : b - lo]
+                t.state[name][a:b] = values[picked]
         if steps is not None:
             t.steps = steps
 
