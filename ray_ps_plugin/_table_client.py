@@ -273,7 +273,15 @@ class Table:
     def write_rows(self, ids: np.ndarray, rows: np.ndarray) -> None:
         """Writes rows the shards changed into a replica's weight."""
         w = self.weight
-        if len(ids):
+        if not len(ids):
+            pass
+        elif w.device.type == "cpu":
+            # Through NumPy, which keeps the GIL: a torch op lets it go and must
+            # take it back from the run's communication threads. On the recsys bed
+            # py-spy saw a worker spend far longer in one index_copy_ per shard and
+            # table than those copies take on their own.
+            w.detach().numpy()[ids] = rows
+        else:
             index = torch.from_numpy(np.array(ids, np.int64)).to(w.device)
             values = torch.from_numpy(np.array(rows, np.float32)).to(w.device)
             with torch.no_grad():
@@ -552,11 +560,16 @@ class ShardedTables:
         answers = self.wait(
             [h for h, _ in inflight], list(range(len(inflight))), "updating the tables"
         )
+        changed: dict[int, tuple[Table, list[np.ndarray], list[np.ndarray]]] = {}
         for (_, tables), answer in zip(inflight, answers):
             for table, (_, ids, rows) in zip(tables, unpack_push_answer(answer)):
                 if table.spec.replica:
-                    table.write_rows(ids, rows)
+                    _, all_ids, all_rows = changed.setdefault(id(table), (table, [], []))
+                    all_ids.append(ids)
+                    all_rows.append(rows)
                     self.count(pulled=ids.nbytes + rows.nbytes)
+        for table, all_ids, all_rows in changed.values():  # one write per table
+            table.write_rows(np.concatenate(all_ids), np.concatenate(all_rows))
 
     def finish(self) -> None:
         """Confirms the last updates; the shards stop waiting for this worker."""

@@ -184,6 +184,20 @@ def test_sum_rows_matches_torch_coalesce():
     assert row_bounds(10, 3) == [0, 3, 6, 10]
 
 
+def test_sum_rows_of_coalesced_contributions_has_the_bits_of_the_general_path():
+    """Senders' rows are coalesced, which takes a path without the gather; an
+    unsorted contribution takes the general one; both add in contribution order."""
+    rng = np.random.default_rng(1)
+    idx = [np.unique(rng.integers(0, 50, size=n)) for n in (30, 0, 1, 40)]
+    vals = [rng.standard_normal((len(i), 3)).astype(np.float32) for i in idx]
+    rows, sums = sum_rows(idx, vals)
+    shuffled = [i[::-1].copy() for i in idx]  # the same rows, not sorted
+    rows2, sums2 = sum_rows(shuffled, [v[::-1].copy() for v in vals])
+    assert rows.tolist() == rows2.tolist() == sorted(set(np.concatenate(idx).tolist()))
+    np.testing.assert_array_equal(sums, sums2)
+    assert sums.dtype == np.float32
+
+
 def test_rows_of_another_shard_or_disagreeing_splits_are_refused():
     async def run():
         # Shard 1 of 2 owns the odd rows of a 10-row table.

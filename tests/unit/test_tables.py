@@ -16,10 +16,22 @@ from ray_ps_plugin._param.shard import ParamShard
 from ray_ps_plugin._rows import row_bounds
 from ray_ps_plugin._sync.frames import TABLE_PULL, TABLE_PUSH
 from ray_ps_plugin._sync.shard import SumShard
-from ray_ps_plugin._table_checkpoint import load_tables, save_tables
+from ray_ps_plugin._table_checkpoint import _read_rows, load_tables, save_tables
 from ray_ps_plugin._table_client import ShardedTables
-from ray_ps_plugin._table_frames import pack_pull, pack_push, unpack_pull, unpack_push
-from ray_ps_plugin._table_layers import check_tables, optimizer_step_spec, skipped_in_apply
+from ray_ps_plugin._table_frames import (
+    pack_pull,
+    pack_push,
+    pack_push_answer,
+    unpack_pull,
+    unpack_push,
+    unpack_push_answer,
+)
+from ray_ps_plugin._table_layers import (
+    check_tables,
+    optimizer_step_spec,
+    replica_table_names,
+    skipped_in_apply,
+)
 from ray_ps_plugin._table_store import TableSpec, TableStore, init_rows
 from tests.unit.fakes import FakeDirect, FakeTransport, LoopThread, Settings, _copy
 
@@ -917,3 +929,161 @@ def test_a_shard_refusing_a_direct_path_pull_fails_it_naming_the_shard(loop):
             tables.wait([handle], [0], "pulling")
     finally:
         tables.close()
+
+
+# --- replica tables (sparse_optimizer="shards") -----------------------------------------
+
+
+def _replica_spec(rows=7, dim=2, padding_idx=3):
+    return TableSpec(rows, dim, padding_idx, 0, 0, True, replica=True)
+
+
+def test_a_replica_tables_rows_are_interleaved_and_a_push_answers_the_rows_it_changed():
+    """Shard 1 of 2 holds rows 1, 3, 5; a sync clock's answer, the same to every
+    worker, is the union of rows it changed with their new values (the padding row
+    among them, unchanged)."""
+    weight = np.arange(14, dtype=np.float32).reshape(7, 2)
+
+    async def main():
+        store = TableStore(1, 2, timeout_s=5.0)
+        store.create(0, 0, _replica_spec(), 2)
+        store.write(0, 0, 0, weight, {}, None, None)
+        part = store.read(0, 0, 0, 7)
+        assert (part["lo"], part["stride"]) == (1, 2)
+        np.testing.assert_array_equal(part["weight"], weight[1::2])
+        with pytest.raises(ShardProtocolError, match=r"it holds \[1, 7\) in steps of 2"):
+            await store.push(0, 0, 0, 1, _ids(2), _grads(1, 2), "sgd", SGD_1)
+        a = store.push_many(0, 0, [(0, 1, _ids(1, 3), _grads(2, 2, 1.0), "sgd", SGD_1, True)])
+        b = store.push_many(0, 1, [(0, 1, _ids(5), _grads(1, 2, 2.0), "sgd", SGD_1, True)])
+        (got_a,), (got_b,) = await asyncio.wait_for(asyncio.gather(a, b), 1)
+        expected = weight.copy()
+        expected[1] -= 1.0
+        expected[5] -= 2.0  # row 3 is padding_idx: never stepped
+        for steps, ids, rows in (got_a, got_b):
+            assert steps == 1 and ids.tolist() == [1, 3, 5]
+            np.testing.assert_array_equal(rows, expected[[1, 3, 5]])
+        # Rows sent again (rank 0's copy changed outside the steps) keep the count.
+        store.write(0, 0, 2, weight[2:6] + 100, {}, None, None)
+        part = store.read(0, 0, 2, 7)
+        assert part["steps"] == 1 and part["lo"] == 3
+        np.testing.assert_array_equal(part["weight"], weight[[3, 5]] + 100)
+
+    asyncio.run(main())
+    with pytest.raises(ShardProtocolError, match="replica table outside sync"):
+        TableStore(0, 1, 5.0).create(0, 0, TableSpec(4, 1, None, 0, None, False, True), 1)
+
+
+def test_push_answers_pack_into_a_frame_and_back():
+    answers = [
+        (3, _ids(1, 4), np.arange(6, dtype=np.float32).reshape(2, 3)),
+        (0, np.empty(0, np.int64), np.empty((0, 5), np.float32)),
+    ]
+    back = unpack_push_answer(pack_push_answer(answers))
+    for (s1, i1, r1), (s2, i2, r2) in zip(answers, back, strict=True):
+        assert s1 == s2 and i1.tolist() == i2.tolist()
+        np.testing.assert_array_equal(r1, r2)
+    assert unpack_push_answer(answers) == answers  # a Ray call's answer as it is
+    with pytest.raises(ShardProtocolError, match="malformed"):
+        unpack_push_answer(pack_push_answer(answers)[:-4])
+
+
+def _replica_worker(loop, servers, rank, world, direct=False):
+    transport = _TableTransport(loop, servers)
+    if direct:
+        transport.direct = FakeDirect(loop, servers)
+    torch.manual_seed(0)  # every worker's copy starts as rank 0's (DDP broadcasts it)
+    module = _Tables("cpu")
+    settings = Settings(mode="sync", ps_timeout_s=5.0, sparse_optimizer="shards")
+    tables = ShardedTables(0, module, transport, settings, rank, world, len(servers), 0)
+    return module, transport, tables
+
+
+def _rows_on_shards(tables, index):
+    return _read_rows(tables, tables.tables[index], 0, 20)[0]
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["ray-calls", "direct-path"])
+def test_two_workers_replicas_step_on_the_shards_as_ddp_averaging_their_gradients(
+    loop, tmp_path, direct
+):
+    """The gradient leaves weight.grad (the user's optimizer skips the weight); the
+    shards apply SGD once to the mean; after the step every worker's copy holds the
+    reference's rows, as do the shards; a copy changed outside the steps is sent
+    again; the tables save and restore onto three shards with the copies."""
+    servers = (
+        [SumShard(s, 2, 5.0) for s in range(2)]
+        if direct
+        else [ParamShard(s, 2, None, 5.0) for s in range(2)]
+    )
+    workers = [_replica_worker(loop, servers, r, 2, direct) for r in range(2)]
+    torch.manual_seed(0)
+    ref = _Tables("cpu")
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    opts = [torch.optim.SGD(w[0].parameters(), lr=0.5) for w in workers]
+    try:
+        for step in range(3):
+            ref_opt.zero_grad()
+            for rank, (module, _, tables) in enumerate(workers):
+                opts[rank].zero_grad()
+                inputs = _INPUTS[(step + rank) % 3]
+                _loss(module(*inputs), 10 * step + rank).backward()
+                (_loss(ref(*inputs), 10 * step + rank) / 2).backward()
+                tables.before_step(opts[rank])
+                assert module.bag.weight.grad is None and module.emb.weight.grad is None
+            ref_opt.step()
+            for module, _, tables in workers:
+                tables.after_step()
+                for got, want in zip(module.parameters(), ref.parameters(), strict=True):
+                    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(
+            _rows_on_shards(workers[0][2], 0), ref.bag.weight.detach().numpy(), atol=1e-6
+        )
+        if direct:  # the pushes went as frames, none as a Ray call
+            assert not [c for c in workers[0][1].calls if c[0] == "table_push"]
+        # load_state_dict after the start: rank 0's copy goes to the shards again.
+        changed = {"weight": torch.full((20, 4), 2.0)}
+        for rank, (module, _, tables) in enumerate(workers):
+            module.emb.load_state_dict(changed)
+            tables.before_step(opts[rank])  # no gradient: nothing stepped
+        for _, _, tables in workers:
+            tables.after_step()
+        np.testing.assert_array_equal(_rows_on_shards(workers[0][2], 1), np.full((20, 4), 2.0))
+        save_tables(workers[0][2], tmp_path)  # rank 0 writes
+    finally:
+        for _, _, tables in workers:
+            tables.finish()
+            tables.close()
+    three = [ParamShard(s, 1, None, 5.0) for s in range(3)]
+    module, _, tables = _replica_worker(loop, three, 0, 1)
+    try:
+        assert not torch.equal(module.bag.weight, ref.bag.weight)
+        load_tables(tables, tmp_path)
+        torch.testing.assert_close(module.bag.weight, ref.bag.weight, rtol=0, atol=1e-6)
+        assert torch.equal(module.emb.weight, torch.full((20, 4), 2.0))
+    finally:
+        tables.close()
+
+
+@pytest.mark.parametrize(
+    "layer, says",
+    [
+        (torch.nn.Embedding(4, 2, sparse=True, max_norm=1.0), "max_norm"),
+        (torch.nn.EmbeddingBag(4, 2, sparse=True, dtype=torch.bfloat16), "float32"),
+    ],
+)
+def test_replica_tables_the_shards_cannot_step_are_refused_naming_the_fix(layer, says):
+    module = torch.nn.Sequential(layer)
+    with pytest.raises(ValueError, match=f"{says}.*sparse_optimizer='workers'"):
+        replica_table_names(module)
+
+
+def test_replica_table_names_are_the_sparse_trainable_tables_only():
+    module = torch.nn.ModuleDict(
+        {
+            "sparse": torch.nn.Embedding(4, 2, sparse=True),
+            "dense": torch.nn.Embedding(4, 2),
+            "frozen": torch.nn.Embedding(4, 2, sparse=True).requires_grad_(False),
+            "meta": torch.nn.Embedding(4, 2, sparse=True, device="meta"),
+        }
+    )
+    assert replica_table_names(module) == ["sparse.weight"]
