@@ -45,6 +45,12 @@ def parse_args(
             action="store_true",
             help="PS runs build the tables on the meta device: only the shards hold them",
         )
+        parser.add_argument(
+            "--sparse-optimizer",
+            choices=["workers", "shards"],
+            default="workers",
+            help="sync PS runs: where the tables' optimizer runs (PSConfig.sparse_optimizer)",
+        )
     return parser.parse_args()
 
 
@@ -82,6 +88,12 @@ def report(
         ray.train.report(metrics, checkpoint=checkpoint)
 
 
+def _table_options(args: argparse.Namespace, mode: str) -> dict[str, Any]:
+    """``sparse_optimizer`` for the sync run when asked for (it is sync only)."""
+    choice = getattr(args, "sparse_optimizer", "workers")
+    return {"sparse_optimizer": choice} if mode == "sync" and choice != "workers" else {}
+
+
 def compare(
     train_fn: Callable[[dict[str, Any]], None], args: argparse.Namespace, title: str, name: str
 ) -> None:
@@ -100,7 +112,7 @@ def compare(
                     "lr": args.lr,
                     "sharded": getattr(args, "sharded", False),
                 },
-                ps_config=PSConfig(strategy=strategy, mode=mode),
+                ps_config=PSConfig(strategy=strategy, mode=mode, **_table_options(args, mode)),
                 scaling_config=ScalingConfig(
                     num_workers=args.workers, resources_per_worker={"CPU": 1}
                 ),

@@ -8,9 +8,12 @@ downloaded. Only ``PSConfig(strategy=..., mode=...)`` changes between the runs: 
 ``mode="sync"`` each worker sends the shards only the rows its batch touched and
 ends with DDP's parameters. With ``--sharded`` the PS runs build the tables on the
 meta device: the shards hold them, each worker pulls the rows its batch needs and
-holds none (compare the workers' peak memory with DDP's).
+holds none (compare the workers' peak memory with DDP's). With ``--sparse-optimizer
+shards`` the sync run keeps the tables on every worker but has the shards apply
+SparseAdam to them, once per row.
 
     python examples/recsys_ps.py [--steps 40] [--workers 2] [--modes sync async] [--sharded]
+        [--sparse-optimizer shards]
 """
 
 from __future__ import annotations

@@ -53,6 +53,7 @@ from ray_ps_plugin._table_layers import (
     replica_tables,
 )
 from ray_ps_plugin._table_store import PushEntry, TableSpec
+from ray_ps_plugin._torch_compat import version_counter
 from ray_ps_plugin._transport import Handle, Transport, wait_all
 from ray_ps_plugin._types import RunSettings, staleness_bound
 
@@ -138,7 +139,7 @@ class Table:
         self.local: dict[int, tuple[int, np.ndarray]] = {}
         # A replica's weight version once the shards' rows were last written into
         # it: any other change (load_state_dict, say) is sent to the shards.
-        self.version = self.weight._version
+        self.version = version_counter(self.weight)
 
     def _split(self, ids: np.ndarray) -> Iterator[tuple[int, slice]]:
         """``(shard, slice of ids)`` for each shard owning some of the sorted ``ids``."""
@@ -286,7 +287,7 @@ class Table:
             values = torch.from_numpy(np.array(rows, np.float32)).to(w.device)
             with torch.no_grad():
                 w.index_copy_(0, index, values)
-        self.version = w._version
+        self.version = version_counter(w)
 
     def _summed(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every kept gradient since the last step, summed per row (rows sorted)."""
@@ -359,6 +360,7 @@ class ShardedTables:
             table = Table(TableRef(model_id, index), name, layer, spec, num_shards, self)
             self.tables.append(table)
         self._hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._warned: set[int] = set()  # optimizers told where their table state is
         shared = set(local_shards) if settings.mode in ("sync", "async") else set()
         pairs = [(t, s) for t in self.tables for s in range(num_shards)]
         handles = [
@@ -417,7 +419,7 @@ class ShardedTables:
                     for s in shards
                 ]
                 self.wait(calls, shards, f"sending the rows of {t.name!r}")
-        t.version = t.weight._version
+        t.version = version_counter(t.weight)
 
     def _map_rows(self, t: Table, shard: int, lo: int, hi: int, handle: SegmentHandle) -> None:
         """Maps a shard's rows of ``t`` for reading (by message where that fails)."""
@@ -456,7 +458,7 @@ class ShardedTables:
         # One step in flight: a shard applies a worker's updates in clock order.
         self.flush()
         for table, _ in stepped:
-            if table.spec.replica and table.weight._version != table.version:
+            if table.spec.replica and version_counter(table.weight) != table.version:
                 self._resend(table)
         if any(t.spec.replica for t, _ in stepped) and optimizer not in self._hooked:
             self._hooked.add(optimizer)
@@ -497,13 +499,15 @@ class ShardedTables:
         self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> dict[str, Any]:
         """``optimizer.state_dict()`` lacks the state of the replica tables it holds:
-        say so where a checkpoint is being written, rather than lose it silently."""
+        say so (once per optimizer) where a checkpoint is being written, rather than
+        lose it silently."""
         names = [
             t.name
             for t in self.replicas
             if any(id(t.weight) == id(p) for g in optimizer.param_groups for p in g["params"])
         ]
-        if self.rank == 0 and names:
+        if self.rank == 0 and names and id(optimizer) not in self._warned:
+            self._warned.add(id(optimizer))
             logger.warning(
                 "%s.state_dict() does not hold the optimizer state of %s: with "
                 "PSConfig(sparse_optimizer='shards') it lives on the parameter servers. "

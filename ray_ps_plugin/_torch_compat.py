@@ -38,6 +38,7 @@ __all__ = [
     "missing_names",
     "queue_autograd_callback",
     "skipping_in_apply",
+    "version_counter",
 ]
 
 CHECKED_TORCH_VERSION = "2.14.1"
@@ -151,3 +152,10 @@ def missing_names() -> list[str]:
     if not callable(getattr(torch.nn.Module, APPLY_METHOD, None)):
         missing.append(f"torch.nn.Module.{APPLY_METHOD}")
     return missing
+
+
+def version_counter(tensor: torch.Tensor) -> int:
+    """How many in-place changes autograd has counted on ``tensor`` (checked against
+    torch 2.14.1: ``Tensor._version``, bumped by every in-place op, ``copy_`` of
+    ``load_state_dict`` included)."""
+    return int(tensor._version)

@@ -126,21 +126,22 @@ def test_a_killed_worker_resumes_from_the_saved_tables_and_ends_as_the_uninterru
 def test_a_lightning_loop_trains_sharded_tables_as_ddp_trains_replicated_ones(tmp_path):
     """Lightning's recipe, manual optimization with SparseAdam on the tables: the
     framework moves the module (.to) and builds DDP itself; sync ends with the rows
-    DDP reaches with the tables replicated."""
+    DDP reaches with the tables replicated, sharded or stepped on the shards."""
     pytest.importorskip("pytorch_lightning")
     rows = {}
-    for mode in ("ddp", "sync"):
+    for mode in ("ddp", "sync", "replica"):
         result = PSTrainer(
             tl.lightning_loop,
-            train_loop_config={"meta": mode != "ddp"},
+            train_loop_config={"meta": mode == "sync"},
             ps_config=PSConfig(ps_timeout_s=30, **MODES[mode]),
             scaling_config=SCALING,
             run_config=RunConfig(storage_path=str(tmp_path), name=f"lightning-{mode}"),
         ).fit()
         with result.checkpoint.as_directory() as d:
             rows[mode] = tl.tables_from_checkpoint(Path(d))
-    for name in rows["ddp"]:
-        assert np.abs(rows["ddp"][name] - rows["sync"][name]).max() <= 1e-5, name
+    for mode in ("sync", "replica"):
+        for name in rows["ddp"]:
+            assert np.abs(rows["ddp"][name] - rows[mode][name]).max() <= 1e-5, (mode, name)
 
 
 def test_across_two_nodes_sync_still_ends_with_the_parameters_of_ddp(runs):

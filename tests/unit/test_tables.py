@@ -1087,3 +1087,18 @@ def test_replica_table_names_are_the_sparse_trainable_tables_only():
         }
     )
     assert replica_table_names(module) == ["sparse.weight"]
+
+
+def test_a_replica_weight_tied_to_a_dense_layer_is_refused_at_the_step(loop):
+    """Tied to an output projection, the weight's gradient is dense: the shards step
+    rows only, so the step refuses it, naming sparse_optimizer='workers'."""
+    module, _, tables = _replica_worker(loop, [ParamShard(0, 1, None, 5.0)], 0, 1)
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    try:
+        out = module.emb(torch.tensor([1, 2]))
+        (out.sum() + (out @ module.emb.weight.T).sum()).backward()
+        assert not module.emb.weight.grad.is_sparse
+        with pytest.raises(ValueError, match=r"'emb'.*dense.*sparse_optimizer='workers'"):
+            tables.before_step(opt)
+    finally:
+        tables.close()

@@ -56,3 +56,14 @@ def test_an_autograd_callback_runs_after_the_whole_backward_pass():
     y.sum().backward()
     assert ran == [True]
     assert _torch_compat.queue_autograd_callback(lambda: None) is False  # not in backward
+
+
+def test_the_version_counter_counts_load_state_dict_and_not_reads():
+    """A replica table is re-sent to the shards when its counter moved since the
+    plugin last wrote it: load_state_dict must move it, a forward must not."""
+    layer = torch.nn.Embedding(4, 2)
+    before = _torch_compat.version_counter(layer.weight)
+    layer(torch.tensor([1, 2]))
+    assert _torch_compat.version_counter(layer.weight) == before
+    layer.load_state_dict({"weight": torch.ones(4, 2)})
+    assert _torch_compat.version_counter(layer.weight) > before
