@@ -120,7 +120,7 @@ def resumable_loop(config: dict[str, Any]) -> None:
         if rank == 0 and step == config.get("kill_step") and _once(config, "kill"):
             from tests.integration.loops import run_servers
 
-            ray.kill(run_servers()[config["kill_shard"]], no_restart=True)
+            _kill_and_wait(run_servers()[config["kill_shard"]])
         opt.step()
         if preempted_at is not None:  # a step after the preemption checkpoint
             Path(config["marker_dir"], f"steps_after_preempt_{rank}_{step}").touch()
@@ -153,6 +153,25 @@ def resumable_loop(config: dict[str, Any]) -> None:
         if preempted:
             preempted_at = step + 1
             _after_preemption_checkpoint(config, rank, preempted_at)
+
+
+def _kill_and_wait(actor: Any) -> None:
+    """Kills a shard and returns once it is gone: ``ray.kill`` only asks for it, and
+    on a loaded machine the training loop could otherwise run steps (and register a
+    checkpoint) past the step the test kills it at."""
+    from ray_ps_plugin._ray_compat import ping_actor
+
+    ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            ray.get(ping_actor(actor), timeout=10)
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            continue  # a busy machine: ask again
+        time.sleep(0.05)
+    raise AssertionError("the killed shard still answers after 60 s")
 
 
 def _worker_nodes() -> list[str]:
