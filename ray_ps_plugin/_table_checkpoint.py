@@ -31,34 +31,11 @@ def save_tables(tables: ShardedTables, path: Path) -> None:
         meta: dict[str, Any] = {"rows": t.spec.rows, "dim": t.spec.dim, "name": t.name}
         for a in range(0, t.spec.rows, SLICE_ROWS):
             b = min(a + SLICE_ROWS, t.spec.rows)
-            weight, state, optimizer, steps = _read_rows(tables, t, a, b)
+            weight, state, optimizer, steps = tables.read_rows(t, a, b)
             arrays: dict[str, Any] = {"weight": weight, **state}
             np.savez(folder / f"rows{a:012d}.npz", **arrays)
             meta.update(optimizer=optimizer, steps=steps)
         (folder / "table.json").write_text(json.dumps(meta))
-
-
-def _read_rows(
-    tables: ShardedTables, t: Table, lo: int, hi: int
-) -> tuple[np.ndarray, dict[str, np.ndarray], Any, int]:
-    """Rows ``[lo, hi)`` of ``t`` with their optimizer state, from every shard
-    holding some of them (each answers its rows and the step between them),
-    with the optimizer's name and step count."""
-    weight = np.empty((hi - lo, t.spec.dim), np.float32)
-    state: dict[str, np.ndarray] = {}
-    optimizer, steps = None, 0
-    shards = t.holding(lo, hi)
-    calls = [
-        tables.transport.call(s, "table_read", tables.model_id, t.ref.index, lo, hi) for s in shards
-    ]
-    for part in tables.wait(calls, shards, f"reading rows of {t.name!r}"):
-        n, first = len(part["weight"]), part["lo"] - lo
-        picked = slice(first, first + (n - 1) * part["stride"] + 1, part["stride"])
-        weight[picked] = part["weight"]
-        for name, values in part["state"].items():
-            state.setdefault(name, np.zeros_like(weight))[picked] = values
-        optimizer, steps = part["optimizer"] or optimizer, max(steps, part["steps"])
-    return weight, state, optimizer, steps
 
 
 def load_tables(tables: ShardedTables, path: Path) -> None:
@@ -87,7 +64,7 @@ def _read_replica(tables: ShardedTables, t: Table) -> None:
     """A worker's copy of a replica table takes the restored rows, slice by slice."""
     for a in range(0, t.spec.rows, SLICE_ROWS):
         b = min(a + SLICE_ROWS, t.spec.rows)
-        t.write_rows(np.arange(a, b), _read_rows(tables, t, a, b)[0])
+        t.write_rows(np.arange(a, b), tables.read_rows(t, a, b)[0])
 
 
 def _load_table(tables: ShardedTables, t: Table, folder: Path) -> None:

@@ -25,7 +25,10 @@ layer's own, and at the step its gradient (``weight.grad``, taken away so the us
 optimizer skips the weight) goes to the shards like a sharded table's; the answer
 holds the rows that step changed, with their new values, which the worker writes
 into its copy before ``optimizer.step()`` returns. Every worker thus does the
-optimizer's work on no row at all, the shards each on the rows they own, once.
+optimizer's work on no row at all, the shards each on the rows they own, once. The
+user's optimizer keeps no state for the weight: its ``state_dict()`` reads the
+shards' in torch's form, and a state its ``load_state_dict()`` put there goes to the
+shards at the next step.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from ray_ps_plugin._table_layers import (
     optimizer_step_spec,
     replica_tables,
 )
+from ray_ps_plugin._table_optim import STATE_NAMES, TableOptimizer
 from ray_ps_plugin._table_store import PushEntry, TableSpec
 from ray_ps_plugin._torch_compat import version_counter
 from ray_ps_plugin._transport import Handle, Transport, wait_all
@@ -360,7 +364,6 @@ class ShardedTables:
             table = Table(TableRef(model_id, index), name, layer, spec, num_shards, self)
             self.tables.append(table)
         self._hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-        self._warned: set[int] = set()  # optimizers told where their table state is
         shared = set(local_shards) if settings.mode in ("sync", "async") else set()
         pairs = [(t, s) for t in self.tables for s in range(num_shards)]
         handles = [
@@ -402,24 +405,50 @@ class ShardedTables:
             torch.distributed.broadcast(t.weight.data, src=0)
         self.send_replica(t)
 
-    def send_replica(self, t: Table) -> None:
-        """Rank 0 writes its copy of a replica table to the shards (their optimizer
-        state and step count stay), one slice per call; every rank then counts its
-        copy as the shards'."""
+    def send_replica(
+        self,
+        t: Table,
+        state: dict[str, torch.Tensor] | None = None,
+        optimizer: TableOptimizer | None = None,
+        steps: int | None = None,
+    ) -> None:
+        """Rank 0 writes its copy of a replica table to the shards, one slice per
+        call: with ``state``, ``optimizer`` and ``steps`` (what ``load_state_dict``
+        gave the user's optimizer) also the optimizer's, else their optimizer state
+        and step count stay. Every rank then counts its copy as the shards'."""
         if self.rank == 0:
             weight = t.weight.detach()
             for a in range(0, t.spec.rows, SLICE_ROWS):
                 b = min(a + SLICE_ROWS, t.spec.rows)
                 rows = weight[a:b].cpu().numpy()  # every shard keeps its own of them
+                part = {n: v[a:b].detach().cpu().numpy() for n, v in (state or {}).items()}
                 shards = t.holding(a, b)
-                calls = [
-                    self.transport.call(
-                        s, "table_write", self.model_id, t.ref.index, a, rows, {}, None, None
-                    )
-                    for s in shards
-                ]
+                args = (self.model_id, t.ref.index, a, rows, part, optimizer, steps)
+                calls = [self.transport.call(s, "table_write", *args) for s in shards]
                 self.wait(calls, shards, f"sending the rows of {t.name!r}")
         t.version = version_counter(t.weight)
+
+    def read_rows(
+        self, t: Table, lo: int, hi: int
+    ) -> tuple[np.ndarray, dict[str, np.ndarray], TableOptimizer | None, int]:
+        """Rows ``[lo, hi)`` of ``t`` with their optimizer state, from every shard
+        holding some of them (each answers its rows and the step between them),
+        with the optimizer's name and step count."""
+        weight = np.empty((hi - lo, t.spec.dim), np.float32)
+        state: dict[str, np.ndarray] = {}
+        optimizer, steps = None, 0
+        shards = t.holding(lo, hi)
+        calls = [
+            self.transport.call(s, "table_read", self.model_id, t.ref.index, lo, hi) for s in shards
+        ]
+        for part in self.wait(calls, shards, f"reading rows of {t.name!r}"):
+            n, first = len(part["weight"]), part["lo"] - lo
+            picked = slice(first, first + (n - 1) * part["stride"] + 1, part["stride"])
+            weight[picked] = part["weight"]
+            for name, values in part["state"].items():
+                state.setdefault(name, np.zeros_like(weight))[picked] = values
+            optimizer, steps = part["optimizer"] or optimizer, max(steps, part["steps"])
+        return weight, state, optimizer, steps
 
     def _map_rows(self, t: Table, shard: int, lo: int, hi: int, handle: SegmentHandle) -> None:
         """Maps a shard's rows of ``t`` for reading (by message where that fails)."""
@@ -457,12 +486,14 @@ class ShardedTables:
             optimizer_step_spec(optimizer, group, table.name)
         # One step in flight: a shard applies a worker's updates in clock order.
         self.flush()
-        for table, _ in stepped:
-            if table.spec.replica and version_counter(table.weight) != table.version:
-                self._resend(table)
+        for table, group in stepped:
+            if table.spec.replica:
+                self._take_state(optimizer, group, table)
+                if version_counter(table.weight) != table.version:
+                    self._resend(table)
         if any(t.spec.replica for t, _ in stepped) and optimizer not in self._hooked:
             self._hooked.add(optimizer)
-            optimizer.register_state_dict_post_hook(self._state_elsewhere)
+            optimizer.register_state_dict_post_hook(self._state_from_shards)
         per_shard: list[list[PushEntry]] = [[] for _ in range(self.num_shards)]
         for table, group in stepped:
             for s, entry in enumerate(table.step(optimizer, group)):
@@ -486,36 +517,75 @@ class ShardedTables:
         in-place edit): the shards take rank 0's copy, as the workers' copies came
         from rank 0's at the start."""
         if self.rank == 0:
-            logger.warning(
-                "The weight of %r changed outside optimizer.step() (load_state_dict?); "
-                "rank 0 sends it to the shards again, whole. Restore a table trained "
-                "with sparse_optimizer='shards' with get_ps_context().load_tables(), "
-                "which also restores its optimizer state.",
+            logger.info(
+                "The weight of %r changed outside optimizer.step() (load_state_dict?): "
+                "rank 0 sends it to the shards, whole.",
                 t.name,
             )
         self.send_replica(t)
 
-    def _state_elsewhere(
-        self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
-    ) -> dict[str, Any]:
-        """``optimizer.state_dict()`` lacks the state of the replica tables it holds:
-        say so (once per optimizer) where a checkpoint is being written, rather than
-        lose it silently."""
-        names = [
-            t.name
-            for t in self.replicas
-            if any(id(t.weight) == id(p) for g in optimizer.param_groups for p in g["params"])
-        ]
-        if self.rank == 0 and names and id(optimizer) not in self._warned:
-            self._warned.add(id(optimizer))
-            logger.warning(
-                "%s.state_dict() does not hold the optimizer state of %s: with "
-                "PSConfig(sparse_optimizer='shards') it lives on the parameter servers. "
-                "Save it with get_ps_context().save_tables(dir) beside your checkpoint.",
-                type(optimizer).__name__,
-                ", ".join(repr(n) for n in names),
+    def _take_state(
+        self, optimizer: torch.optim.Optimizer, group: dict[str, Any], t: Table
+    ) -> None:
+        """Optimizer state on a replica's weight can only come from
+        ``optimizer.load_state_dict`` (the optimizer never steps the weight): rank 0
+        sends it to the shards with its copy of the rows, and every rank drops it,
+        as the shards now hold it. A state before any step (Adagrad makes its zeros
+        at construction) is dropped: the shards make their own."""
+        entry = optimizer.state.pop(t.weight, None)
+        if not entry or not int(entry.get("step", 0)):
+            return
+        name, _ = optimizer_step_spec(optimizer, group, t.name)
+        missing = [n for n in STATE_NAMES[name] if not torch.is_tensor(entry.get(n))]
+        if missing:
+            raise ValueError(
+                f"{type(optimizer).__name__}.load_state_dict gave the table {t.name!r} a "
+                f"state without {missing}: load the state_dict of the same optimizer "
+                "class that saved it."
             )
-        return state
+        state = {n: entry[n] for n in STATE_NAMES[name]}
+        self.send_replica(t, state, name, int(entry["step"]))
+
+    def _state_from_shards(
+        self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
+    ) -> dict[str, Any]:
+        """``optimizer.state_dict()`` holds its replica tables' state as torch's
+        optimizer would, read from the shards by this rank alone (often rank 0 is
+        the only one writing a checkpoint), one slice of rows at a time."""
+        params = (p for g in optimizer.param_groups for p in g["params"])
+        index = {id(p): i for i, p in enumerate(params)}  # torch's numbering
+        for t in self.replicas:
+            i = index.get(id(t.weight))
+            if i is None or optimizer.state.get(t.weight):  # loaded, not yet sent
+                continue
+            entry = self._torch_state(t)
+            if entry:
+                state_dict["state"][i] = entry
+        return state_dict
+
+    def _torch_state(self, t: Table) -> dict[str, Any]:
+        """The shards' optimizer state of ``t`` in the form torch's optimizer keeps
+        it (empty before the first step)."""
+        self.flush()
+        arrays: dict[str, np.ndarray] = {}
+        optimizer: TableOptimizer | None = None
+        steps = 0
+        for a in range(0, t.spec.rows, SLICE_ROWS):
+            b = min(a + SLICE_ROWS, t.spec.rows)
+            _, part, name, count = self.read_rows(t, a, b)
+            optimizer, steps = name or optimizer, max(steps, count)
+            for n, values in part.items():
+                arrays.setdefault(n, np.zeros((t.spec.rows, t.spec.dim), np.float32))[a:b] = values
+        if optimizer is None or not steps:
+            return {}
+        entry: dict[str, Any] = {n: torch.from_numpy(arrays[n]) for n in STATE_NAMES[optimizer]}
+        if optimizer == "sparse_adam":
+            entry["step"] = steps  # SparseAdam counts in an int, Adagrad in a tensor
+        elif optimizer == "adagrad":
+            entry["step"] = torch.tensor(float(steps))
+        else:
+            entry["momentum_buffer"] = None
+        return entry
 
     def call_pull(self, shard: int, table: int, clock: int, ids: np.ndarray) -> Handle[Any]:
         """Asks ``shard`` for rows ``ids`` of ``table``: a frame on the direct path

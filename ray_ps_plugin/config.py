@@ -156,7 +156,8 @@ class PSConfig(TorchConfig):
             or Adagrad, with the user optimizer's hyperparameters at that step) once
             to the rows it owns, and answers with those rows' new values, which the
             workers write into their copies; the optimizer's state for the table
-            lives on the shards (checkpoint it with ``save_tables``). Saves every
+            lives on the shards, and ``optimizer.state_dict()`` /
+            ``load_state_dict()`` read it from and send it back to them. Saves every
             worker the optimizer's work on the union of rows. Only with
             ``mode="sync"``.
         backend: Torch process-group backend (see TorchConfig). The PS strategy still

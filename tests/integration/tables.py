@@ -81,7 +81,8 @@ def table_loop(config: dict[str, Any]) -> None:
     before and after and a checkpoint with the tables (``save_tables``) or, for the
     DDP reference, the model's state dict.
 
-    Config: ``steps``, ``optimizer``, ``meta``; optional ``resume`` (load the
+    Config: ``steps``, ``optimizer``, ``meta``; optional ``plain`` (checkpoint the
+    tables as DDP's loop does, with torch's state dicts only), ``resume`` (load the
     tables from the checkpoint Ray Train hands back) and ``every`` (checkpoint
     every that many steps, ``crash_after`` a step at which rank 1 exits once,
     ``marker_dir`` for that once).
@@ -103,7 +104,12 @@ def table_loop(config: dict[str, Any]) -> None:
             for opt, state in zip(opts, torch.load(Path(d) / "opts.pt")):
                 opt.load_state_dict(state)
             schedule.load_state_dict(torch.load(Path(d) / "schedule.pt"))
-            get_ps_context().load_tables(Path(d) / "tables")
+            if config.get("plain"):
+                for name in ("bags", "items"):
+                    weight = torch.from_numpy(np.load(Path(d) / f"{name}.npy"))
+                    getattr(model.module, name).load_state_dict({"weight": weight})
+            else:
+                get_ps_context().load_tables(Path(d) / "tables")
 
     def loss_of() -> float:
         with torch.no_grad():
@@ -136,12 +142,14 @@ def table_loop(config: dict[str, Any]) -> None:
 
 def _report(model: Any, opts: list, schedule: Any, step: int, metrics: dict, config: dict) -> None:
     """Every rank reports; rank 0 attaches a checkpoint: the MLP, the optimizers'
-    and the schedule's state, and the tables (sharded: save_tables; DDP: the
-    tables' weights as .npy)."""
+    and the schedule's state, and the tables (sharded: save_tables; DDP, or
+    ``plain`` in the config: the tables' weights as .npy, their optimizer's state in
+    its state_dict)."""
     rank = ray.train.get_context().get_world_rank()
     ctx = get_ps_context()
     with tempfile.TemporaryDirectory() as d:
-        if ctx is not None:
+        plain = ctx is None or config.get("plain")
+        if not plain:
             ctx.save_tables(Path(d) / "tables")  # every rank calls; rank 0 writes
         if rank != 0:
             ray.train.report({**metrics, "step": step})
@@ -150,7 +158,7 @@ def _report(model: Any, opts: list, schedule: Any, step: int, metrics: dict, con
         torch.save(model.module.mlp.state_dict(), Path(d) / "mlp.pt")
         torch.save([o.state_dict() for o in opts], Path(d) / "opts.pt")
         torch.save(schedule.state_dict(), Path(d) / "schedule.pt")
-        if ctx is None:
+        if plain:
             for name in ("bags", "items"):
                 np.save(
                     Path(d) / f"{name}.npy", getattr(model.module, name).weight.detach().numpy()

@@ -78,7 +78,9 @@ def runs(ray_cluster, tmp_path_factory):
             elif name == "two_nodes":
                 done[name] = _fit(storage, name, "sync", TWO_NODES)
             elif name == "replica_crash":
-                done[name] = _fit(storage, name, "replica", every=5, crash_after=12)
+                done[name] = _fit(storage, name, "replica", every=5, crash_after=12, plain=True)
+            elif name == "replica":
+                done[name] = _fit(storage, name, "replica", plain=True)
             else:
                 done[name] = _fit(storage, name, name)
         return done[name]
@@ -162,9 +164,11 @@ def test_replicated_tables_stepped_on_the_shards_end_with_the_parameters_of_ddp(
     assert 0 < per_step < 0.5 * 4 * sum(tl.ROWS) * tl.DIM
 
 
-def test_replicated_tables_stepped_on_the_shards_resume_from_save_tables(runs):
-    """Rank 1 exits after step 12; the restart's load_tables restores the shards'
-    rows and SparseAdam state and every worker's copy, and the run ends as the
+def test_replicated_tables_stepped_on_the_shards_resume_from_torchs_state_dicts(runs):
+    """Checkpoints as DDP's loop writes them (rank 0: the tables' weights and
+    optimizer.state_dict(), which reads SparseAdam's state from the shards). Rank 1
+    exits after step 12; the restart loads the weights and the optimizer's state
+    dict, which go to the new shards at the first step, and the run ends as the
     uninterrupted one."""
     crash, replica = runs("replica_crash"), runs("replica")
     assert crash["metrics"]["start"] in (5, 10)

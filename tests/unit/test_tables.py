@@ -2,6 +2,7 @@
 
 import asyncio
 import inspect
+import io
 import itertools
 import time
 
@@ -16,7 +17,7 @@ from ray_ps_plugin._param.shard import ParamShard
 from ray_ps_plugin._rows import row_bounds
 from ray_ps_plugin._sync.frames import TABLE_PULL, TABLE_PUSH
 from ray_ps_plugin._sync.shard import SumShard
-from ray_ps_plugin._table_checkpoint import _read_rows, load_tables, save_tables
+from ray_ps_plugin._table_checkpoint import load_tables, save_tables
 from ray_ps_plugin._table_client import ShardedTables
 from ray_ps_plugin._table_frames import (
     pack_pull,
@@ -999,7 +1000,7 @@ def _replica_worker(loop, servers, rank, world, direct=False):
 
 
 def _rows_on_shards(tables, index):
-    return _read_rows(tables, tables.tables[index], 0, 20)[0]
+    return tables.read_rows(tables.tables[index], 0, 20)[0]
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["ray-calls", "direct-path"])
@@ -1060,6 +1061,104 @@ def test_two_workers_replicas_step_on_the_shards_as_ddp_averaging_their_gradient
         load_tables(tables, tmp_path)
         torch.testing.assert_close(module.bag.weight, ref.bag.weight, rtol=0, atol=1e-6)
         assert torch.equal(module.emb.weight, torch.full((20, 4), 2.0))
+    finally:
+        tables.close()
+
+
+def _step_replicas(workers, opts, ref, ref_opt, k):
+    """One step of every worker (the runtime's hooks around the user's step, called
+    by hand) and of the reference on the workers' mean gradient."""
+    ref_opt.zero_grad()
+    for rank, (module, _, tables) in enumerate(workers):
+        opts[rank].zero_grad()
+        inputs = _INPUTS[(k + rank) % 3]
+        _loss(module(*inputs), 10 * k + rank).backward()
+        (_loss(ref(*inputs), 10 * k + rank) / len(workers)).backward()
+        tables.before_step(opts[rank])
+        opts[rank].step()  # the weights have no gradient left: it skips them
+    ref_opt.step()
+    for _, _, tables in workers:
+        tables.after_step()
+
+
+def _close(workers):
+    for _, _, tables in workers:
+        tables.finish()
+        tables.close()
+
+
+def test_the_optimizers_state_dict_holds_the_shards_state_and_resumes_on_new_shards(loop):
+    """SparseAdam on the shards: rank 0's optimizer.state_dict() holds what torch's
+    SparseAdam holds for the reference (read from the shards, step count included)
+    while no worker's optimizer keeps any; a new run on three shards that loads the
+    module's and the optimizer's state dicts, as a DDP loop resumes, steps on as the
+    reference did."""
+    servers = [ParamShard(s, 2, None, 5.0) for s in range(2)]
+    workers = [_replica_worker(loop, servers, r, 2) for r in range(2)]
+    torch.manual_seed(0)
+    ref = _Tables("cpu")
+    ref_opt = torch.optim.SparseAdam(ref.parameters(), lr=0.05)
+    opts = [torch.optim.SparseAdam(w[0].parameters(), lr=0.05) for w in workers]
+    try:
+        for k in range(3):
+            _step_replicas(workers, opts, ref, ref_opt, k)
+        assert not opts[0].state and not opts[1].state
+        buffer = io.BytesIO()  # a checkpoint, as rank 0 writes one
+        torch.save({"model": workers[0][0].state_dict(), "opt": opts[0].state_dict()}, buffer)
+    finally:
+        _close(workers)
+    saved = torch.load(io.BytesIO(buffer.getvalue()))
+    want = ref_opt.state_dict()
+    assert saved["opt"]["param_groups"] == want["param_groups"]
+    assert sorted(saved["opt"]["state"]) == sorted(want["state"]) == [0, 1]
+    for i, entry in want["state"].items():
+        assert saved["opt"]["state"][i]["step"] == entry["step"] == 3
+        for name in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(
+                saved["opt"]["state"][i][name], entry[name], atol=1e-5, rtol=0
+            )
+
+    three = [ParamShard(s, 2, None, 5.0) for s in range(3)]
+    workers = [_replica_worker(loop, three, r, 2) for r in range(2)]
+    opts = [torch.optim.SparseAdam(w[0].parameters(), lr=0.05) for w in workers]
+    try:
+        for (module, _, _), opt in zip(workers, opts):
+            module.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["opt"])
+        _step_replicas(workers, opts, ref, ref_opt, 3)
+        assert not opts[1].state  # the loaded state went to the shards
+        for module, _, _ in workers:
+            for got, want_p in zip(module.parameters(), ref.parameters(), strict=True):
+                torch.testing.assert_close(got, want_p, rtol=0, atol=1e-5)
+        resumed = opts[0].state_dict()["state"]
+        for i, entry in ref_opt.state_dict()["state"].items():
+            assert resumed[i]["step"] == entry["step"] == 4
+            torch.testing.assert_close(
+                resumed[i]["exp_avg_sq"], entry["exp_avg_sq"], atol=1e-5, rtol=0
+            )
+    finally:
+        _close(workers)
+
+
+def test_an_adagrad_state_before_any_step_is_dropped_and_a_mismatched_one_refused(loop):
+    """Adagrad makes its zeros at construction: they stay out of the way (the shards
+    make their own). A state of another optimizer loaded into the table's is refused
+    at the step, naming the fix."""
+    servers = [ParamShard(s, 1, None, 5.0) for s in range(2)]
+    module, _, tables = _replica_worker(loop, servers, 0, 1)
+    try:
+        opt = torch.optim.Adagrad(module.parameters(), lr=0.1)
+        assert opt.state  # torch's own zeros
+        _loss(module(*_INPUTS[0]), 0).backward()
+        tables.before_step(opt)
+        tables.after_step()
+        assert not opt.state
+        entry = opt.state_dict()["state"][0]
+        assert float(entry["step"]) == 1 and entry["sum"].shape == (20, 4)
+        opt.state[module.bag.weight] = {"step": 3, "exp_avg": torch.zeros(20, 4)}
+        _loss(module(*_INPUTS[1]), 1).backward()
+        with pytest.raises(ValueError, match=r"without \['sum'\].*same optimizer"):
+            tables.before_step(opt)
     finally:
         tables.close()
 
