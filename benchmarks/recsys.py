@@ -368,7 +368,11 @@ def main() -> None:
     storage = args.storage or tempfile.mkdtemp(prefix="recsys-")
     rounds = []
     for i in range(args.rounds):
-        rounds.append({name: run_variant(name, args, storage) for name in variants})
+        # Each round starts one variant later: a drift of the machine within a round
+        # (another process, the page cache) does not always favour the same variant.
+        order = variants[i % len(variants) :] + variants[: i % len(variants)]
+        ran = {name: run_variant(name, args, storage) for name in order}
+        rounds.append({name: ran[name] for name in variants})
         print(
             f"round {i + 1}: "
             + ", ".join(
