@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ray_ps_plugin._table_client import SLICE_ROWS, ShardedTables, Table
+from ray_ps_plugin._table_client import ShardedTables, Table
 
 __all__ = ["load_tables", "save_tables"]
 
@@ -29,8 +29,7 @@ def save_tables(tables: ShardedTables, path: Path) -> None:
         folder = path / f"model{tables.model_id}" / f"table{t.ref.index}"
         folder.mkdir(parents=True, exist_ok=True)
         meta: dict[str, Any] = {"rows": t.spec.rows, "dim": t.spec.dim, "name": t.name}
-        for a in range(0, t.spec.rows, SLICE_ROWS):
-            b = min(a + SLICE_ROWS, t.spec.rows)
+        for a, b in t.slices():
             weight, state, optimizer, steps = tables.read_rows(t, a, b)
             arrays: dict[str, Any] = {"weight": weight, **state}
             np.savez(folder / f"rows{a:012d}.npz", **arrays)
@@ -62,8 +61,7 @@ def load_tables(tables: ShardedTables, path: Path) -> None:
 
 def _read_replica(tables: ShardedTables, t: Table) -> None:
     """A worker's copy of a replica table takes the restored rows, slice by slice."""
-    for a in range(0, t.spec.rows, SLICE_ROWS):
-        b = min(a + SLICE_ROWS, t.spec.rows)
+    for a, b in t.slices():
         t.write_rows(np.arange(a, b), tables.read_rows(t, a, b)[0])
 
 

@@ -61,7 +61,7 @@ from ray_ps_plugin._torch_compat import version_counter
 from ray_ps_plugin._transport import Handle, Transport, wait_all
 from ray_ps_plugin._types import RunSettings, staleness_bound
 
-__all__ = ["SLICE_ROWS", "ShardedTables", "Table", "TableRef"]
+__all__ = ["ShardedTables", "Table", "TableRef"]
 
 logger = logging.getLogger(__name__)
 
@@ -255,6 +255,12 @@ class Table:
             if self.bounds[s] < hi and lo < self.bounds[s + 1]
         ]
 
+    def slices(self) -> Iterator[tuple[int, int]]:
+        """The table's rows as ``[a, b)`` runs of at most ``SLICE_ROWS``: how a whole
+        table goes to or from the shards without a worker holding more at a time."""
+        for a in range(0, self.spec.rows, SLICE_ROWS):
+            yield a, min(a + SLICE_ROWS, self.spec.rows)
+
     def _replica_grad(self) -> tuple[bool, torch.Tensor, torch.Tensor]:
         """A replica's gradient as ``(touched, rows, values)``, taken out of
         ``weight.grad`` so that the user's optimizer skips the weight.
@@ -418,8 +424,7 @@ class ShardedTables:
         and step count stay. Every rank then counts its copy as the shards'."""
         if self.rank == 0:
             weight = t.weight.detach()
-            for a in range(0, t.spec.rows, SLICE_ROWS):
-                b = min(a + SLICE_ROWS, t.spec.rows)
+            for a, b in t.slices():
                 rows = weight[a:b].cpu().numpy()  # every shard keeps its own of them
                 part = {n: v[a:b].detach().cpu().numpy() for n, v in (state or {}).items()}
                 shards = t.holding(a, b)
@@ -570,8 +575,7 @@ class ShardedTables:
         arrays: dict[str, np.ndarray] = {}
         optimizer: TableOptimizer | None = None
         steps = 0
-        for a in range(0, t.spec.rows, SLICE_ROWS):
-            b = min(a + SLICE_ROWS, t.spec.rows)
+        for a, b in t.slices():
             _, part, name, count = self.read_rows(t, a, b)
             optimizer, steps = name or optimizer, max(steps, count)
             for n, values in part.items():

@@ -1003,6 +1003,38 @@ def _rows_on_shards(tables, index):
     return tables.read_rows(tables.tables[index], 0, 20)[0]
 
 
+def _with_reference(workers, make_optimizer):
+    """The reference module (every worker's initial copy: seed 0), its optimizer and
+    one per worker, all made by ``make_optimizer(parameters)``."""
+    torch.manual_seed(0)
+    ref = _Tables("cpu")
+    opts = [make_optimizer(w[0].parameters()) for w in workers]
+    return ref, make_optimizer(ref.parameters()), opts
+
+
+def _step_replicas(workers, opts, ref, ref_opt, k):
+    """One step of every worker (the runtime's hooks around the user's step, called
+    by hand) and of the reference on the workers' mean gradient."""
+    ref_opt.zero_grad()
+    for rank, (module, _, tables) in enumerate(workers):
+        opts[rank].zero_grad()
+        inputs = _INPUTS[(k + rank) % 3]
+        _loss(module(*inputs), 10 * k + rank).backward()
+        (_loss(ref(*inputs), 10 * k + rank) / len(workers)).backward()
+        tables.before_step(opts[rank])
+        assert module.bag.weight.grad is None and module.emb.weight.grad is None
+        opts[rank].step()  # the weights have no gradient left: it skips them
+    ref_opt.step()
+    for _, _, tables in workers:
+        tables.after_step()
+
+
+def _close(workers):
+    for _, _, tables in workers:
+        tables.finish()
+        tables.close()
+
+
 @pytest.mark.parametrize("direct", [False, True], ids=["ray-calls", "direct-path"])
 def test_two_workers_replicas_step_on_the_shards_as_ddp_averaging_their_gradients(
     loop, tmp_path, direct
@@ -1017,23 +1049,11 @@ def test_two_workers_replicas_step_on_the_shards_as_ddp_averaging_their_gradient
         else [ParamShard(s, 2, None, 5.0) for s in range(2)]
     )
     workers = [_replica_worker(loop, servers, r, 2, direct) for r in range(2)]
-    torch.manual_seed(0)
-    ref = _Tables("cpu")
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
-    opts = [torch.optim.SGD(w[0].parameters(), lr=0.5) for w in workers]
+    ref, ref_opt, opts = _with_reference(workers, lambda ps: torch.optim.SGD(ps, lr=0.5))
     try:
         for step in range(3):
-            ref_opt.zero_grad()
-            for rank, (module, _, tables) in enumerate(workers):
-                opts[rank].zero_grad()
-                inputs = _INPUTS[(step + rank) % 3]
-                _loss(module(*inputs), 10 * step + rank).backward()
-                (_loss(ref(*inputs), 10 * step + rank) / 2).backward()
-                tables.before_step(opts[rank])
-                assert module.bag.weight.grad is None and module.emb.weight.grad is None
-            ref_opt.step()
-            for module, _, tables in workers:
-                tables.after_step()
+            _step_replicas(workers, opts, ref, ref_opt, step)
+            for module, _, _ in workers:
                 for got, want in zip(module.parameters(), ref.parameters(), strict=True):
                     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
         np.testing.assert_allclose(
@@ -1051,9 +1071,7 @@ def test_two_workers_replicas_step_on_the_shards_as_ddp_averaging_their_gradient
         np.testing.assert_array_equal(_rows_on_shards(workers[0][2], 1), np.full((20, 4), 2.0))
         save_tables(workers[0][2], tmp_path)  # rank 0 writes
     finally:
-        for _, _, tables in workers:
-            tables.finish()
-            tables.close()
+        _close(workers)
     three = [ParamShard(s, 1, None, 5.0) for s in range(3)]
     module, _, tables = _replica_worker(loop, three, 0, 1)
     try:
@@ -1065,28 +1083,6 @@ def test_two_workers_replicas_step_on_the_shards_as_ddp_averaging_their_gradient
         tables.close()
 
 
-def _step_replicas(workers, opts, ref, ref_opt, k):
-    """One step of every worker (the runtime's hooks around the user's step, called
-    by hand) and of the reference on the workers' mean gradient."""
-    ref_opt.zero_grad()
-    for rank, (module, _, tables) in enumerate(workers):
-        opts[rank].zero_grad()
-        inputs = _INPUTS[(k + rank) % 3]
-        _loss(module(*inputs), 10 * k + rank).backward()
-        (_loss(ref(*inputs), 10 * k + rank) / len(workers)).backward()
-        tables.before_step(opts[rank])
-        opts[rank].step()  # the weights have no gradient left: it skips them
-    ref_opt.step()
-    for _, _, tables in workers:
-        tables.after_step()
-
-
-def _close(workers):
-    for _, _, tables in workers:
-        tables.finish()
-        tables.close()
-
-
 def test_the_optimizers_state_dict_holds_the_shards_state_and_resumes_on_new_shards(loop):
     """SparseAdam on the shards: rank 0's optimizer.state_dict() holds what torch's
     SparseAdam holds for the reference (read from the shards, step count included)
@@ -1095,10 +1091,7 @@ def test_the_optimizers_state_dict_holds_the_shards_state_and_resumes_on_new_sha
     reference did."""
     servers = [ParamShard(s, 2, None, 5.0) for s in range(2)]
     workers = [_replica_worker(loop, servers, r, 2) for r in range(2)]
-    torch.manual_seed(0)
-    ref = _Tables("cpu")
-    ref_opt = torch.optim.SparseAdam(ref.parameters(), lr=0.05)
-    opts = [torch.optim.SparseAdam(w[0].parameters(), lr=0.05) for w in workers]
+    ref, ref_opt, opts = _with_reference(workers, lambda ps: torch.optim.SparseAdam(ps, lr=0.05))
     try:
         for k in range(3):
             _step_replicas(workers, opts, ref, ref_opt, k)
