@@ -54,6 +54,7 @@ from ray_ps_plugin._table_layers import (
     meta_tables,
     optimizer_step_spec,
     replica_tables,
+    sparse_add_rounds_once,
 )
 from ray_ps_plugin._table_optim import STATE_NAMES, TableOptimizer
 from ray_ps_plugin._table_store import PushEntry, TableSpec
@@ -223,12 +224,15 @@ class Table:
         the step's hyperparameters. Every shard gets one, empty or not: in sync each
         waits for every worker."""
         kind, hyper = optimizer_step_spec(optimizer, group, self.name)
+        device = "cpu" if self.weight.is_meta else self.weight.device.type
+        hyper["fused"] = float(sparse_add_rounds_once(device, self.spec.dim))
         if self.spec.replica:
-            touched, ids, summed = self._replica_grad()
+            touched, ids, mean = self._replica_grad()
         else:
             touched = bool(self.held)
             ids, summed = self._summed()
-        grads = (summed / self._owner.world_size).numpy()
+            mean = summed / self._owner.world_size
+        grads = mean.numpy()
         ids_np = ids.numpy()
         self.clock += 1
         if self.spec.replica:  # interleaved rows: shard s holds rows s, s + S, ...
@@ -262,8 +266,12 @@ class Table:
             yield a, min(a + SLICE_ROWS, self.spec.rows)
 
     def _replica_grad(self) -> tuple[bool, torch.Tensor, torch.Tensor]:
-        """A replica's gradient as ``(touched, rows, values)``, taken out of
-        ``weight.grad`` so that the user's optimizer skips the weight.
+        """A replica's gradient divided by the world size as ``(touched, rows,
+        values)``, taken out of ``weight.grad`` so that the user's optimizer skips
+        the weight. Divided before it is coalesced, as DDP's reducer divides the
+        gradient that Gloo's sparse all-reduce then coalesces: an embedding bag's
+        gradient repeats a row once per lookup, and ``a / 3 + b / 3`` is not always
+        ``(a + b) / 3`` in float32.
 
         Raises:
             ValueError: If the gradient is dense (the weight is used outside its
@@ -278,7 +286,7 @@ class Table:
                 "its sparse embedding layer (tied to another layer?): the shards step "
                 "only rows. Use PSConfig(sparse_optimizer='workers') for this model."
             )
-        g = grad.coalesce()
+        g = (grad / self._owner.world_size).coalesce()
         return True, g.indices()[0].cpu(), g.values().float().cpu()
 
     def write_rows(self, ids: np.ndarray, rows: np.ndarray) -> None:

@@ -10,6 +10,7 @@ optimizer settings the shards cannot train.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ __all__ = [
     "replica_table_names",
     "replica_tables",
     "skipped_in_apply",
+    "sparse_add_rounds_once",
 ]
 
 _TABLE_TYPES = (torch.nn.Embedding, torch.nn.EmbeddingBag)
@@ -144,6 +146,22 @@ def check_tables(module: torch.nn.Module, mode: Mode) -> None:
                 f"{where} with dtype {dtype}; sharded tables are float32. "
                 "Build it with dtype=torch.float32."
             )
+
+
+@functools.cache
+def sparse_add_rounds_once(device: str, dim: int) -> bool:
+    """Whether ``weight.add_(sparse_grad, alpha=a)`` on ``device`` rounds
+    ``weight + a * grad`` once (a fused multiply-add, as BLAS's ``axpy`` does where
+    torch is built with MKL or OpenBLAS) for rows of ``dim`` values: SGD and Adagrad
+    step sparse gradients that way, and the shards must round as the workers'
+    torch would. Probed with values whose product needs one bit more than float32
+    holds (``a * a - 1`` is ``2**-11 + 2**-24`` exactly, ``2**-11`` once rounded)."""
+    a = 1 + 2**-12
+    weight = torch.full((1, dim), -1.0, device=device)
+    index = torch.zeros(1, 1, dtype=torch.int64, device=device)
+    grad = torch.sparse_coo_tensor(index, torch.full((1, dim), a, device=device), (1, dim))
+    weight.add_(grad, alpha=a)
+    return bool((weight == 2**-11 + 2**-24).all())
 
 
 def optimizer_step_spec(
