@@ -28,9 +28,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from ray_ps_plugin import _runtime, _table_client, _table_layers, _torch_compat
-from ray_ps_plugin._modes import MODE_SPECS
+from ray_ps_plugin._modes import MODE_SPECS, sparse_optimizer
 from ray_ps_plugin._transport import RayTransport
-from ray_ps_plugin._types import Compression
+from ray_ps_plugin._types import Compression, RunSettings
 
 __all__ = [
     "PSDistributedDataParallel",
@@ -164,10 +164,10 @@ def attach(ddp: PSDistributedDataParallel) -> None:
     _runtime.register(client)
     client.bind(ddp)  # sync: registers the servers' comm hook
     ddp._ps_owns_comm = True
-    replicas = info.settings.sparse_optimizer == "shards" and _table_layers.replica_tables(
-        ddp.module
-    )
-    if _table_layers.meta_tables(ddp.module) or replicas:
+    real = _real_tables(info.settings)
+    if _table_layers.meta_tables(ddp.module) or (
+        real != "workers" and _table_layers.replica_tables(ddp.module)
+    ):
         tables = _table_client.ShardedTables(
             setup.model_id,
             ddp.module,
@@ -178,6 +178,7 @@ def attach(ddp: PSDistributedDataParallel) -> None:
             setup.num_shards,
             seed=_table_seed(),
             local_shards=setup.local_shards,
+            real_tables=real,
         )
         _runtime.register_tables(tables)
 
@@ -191,10 +192,17 @@ def _before_ddp(module: torch.nn.Module) -> None:
     _check_not_attached(module)
     _table_layers.check_tables(module, settings.mode)
     names = _table_layers.meta_table_names(module)
-    if settings.sparse_optimizer == "shards":
+    if _real_tables(settings) != "workers":
         names += _table_layers.replica_table_names(module)
     if names:
         _torch_compat.ignore_in_ddp(module, names)
+
+
+def _real_tables(settings: RunSettings) -> _table_client.RealTables:
+    """What the run makes of embedding layers with sparse gradients on a real device."""
+    if sparse_optimizer(settings) == "workers":
+        return "workers"
+    return "copies" if MODE_SPECS[settings.mode].table_copies else "lookups"
 
 
 def _table_seed() -> int:

@@ -23,9 +23,15 @@ from ray_ps_plugin._sync.layout import SHARD_MAX_CONCURRENCY
 from ray_ps_plugin._sync.setup import connect_shards, open_direct_path
 from ray_ps_plugin._sync.shard import SumShard
 from ray_ps_plugin._transport import DirectPath, Transport
-from ray_ps_plugin._types import Mode, RunSettings, outer_learning_rate, staleness_bound
+from ray_ps_plugin._types import (
+    Mode,
+    RunSettings,
+    SparseOptimizer,
+    outer_learning_rate,
+    staleness_bound,
+)
 
-__all__ = ["MODE_SPECS", "ModeSpec"]
+__all__ = ["MODE_SPECS", "ModeSpec", "sparse_optimizer"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,17 @@ class ModeSpec:
             calls may be pending at once.
         direct_path: Opens a worker process's direct path to the shards, given the
             config and the start-up's topology (``None``: the mode has none).
+        sparse_optimizer: Where sparse tables' optimizer runs when
+            ``PSConfig.sparse_optimizer`` is ``None``: sync keeps DDP's maths (each
+            worker steps its copy of the union of rows); async and ssp, whose shards
+            own the parameters anyway, step the rows on the shards, so a step moves
+            only the rows it touched instead of the whole table.
+        tables_on_shards: Whether the mode can step sparse tables on the shards
+            (diloco's workers step their own copies between rounds).
+        table_copies: With the tables stepped on the shards, whether every worker
+            keeps its copy written from the shards' answers (sync: every step waits
+            for all workers, so the copies stay equal) or looks the rows it needs
+            up on the shards as a sharded table does (async, ssp).
     """
 
     shard_cls: type[ShardBase]
@@ -54,6 +71,9 @@ class ModeSpec:
     connect: Callable[[Sequence[Any], Sequence[str], Sequence[str], RunSettings], Any] | None = None
     max_concurrency: int = 1000
     direct_path: Callable[[RunSettings, Any], DirectPath | None] | None = None
+    sparse_optimizer: SparseOptimizer = "workers"
+    tables_on_shards: bool = True
+    table_copies: bool = False
 
 
 _SUM = ModeSpec(
@@ -64,6 +84,7 @@ _SUM = ModeSpec(
     connect=connect_shards,
     max_concurrency=SHARD_MAX_CONCURRENCY,
     direct_path=open_direct_path,
+    table_copies=True,
 )
 _PARAM = ModeSpec(
     shard_cls=ParamShard,
@@ -74,6 +95,7 @@ _PARAM = ModeSpec(
     # M models hold at most W * M calls; Ray's default for asyncio actors (1000)
     # leaves room for the pings and stats calls besides.
     max_concurrency=1000,
+    sparse_optimizer="shards",
 )
 
 _DILOCO = ModeSpec(
@@ -90,6 +112,7 @@ _DILOCO = ModeSpec(
     uses_reducer=False,
     connect=connect_round_relays,
     max_concurrency=_PARAM.max_concurrency,  # the same calls as async/ssp
+    tables_on_shards=False,
 )
 
 MODE_SPECS: dict[Mode, ModeSpec] = {
@@ -98,3 +121,8 @@ MODE_SPECS: dict[Mode, ModeSpec] = {
     "ssp": _PARAM,
     "diloco": _DILOCO,
 }
+
+
+def sparse_optimizer(settings: RunSettings) -> SparseOptimizer:
+    """Where the run steps sparse tables: the config's choice, else the mode's."""
+    return settings.sparse_optimizer or MODE_SPECS[settings.mode].sparse_optimizer

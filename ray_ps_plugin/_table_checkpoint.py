@@ -40,29 +40,14 @@ def save_tables(tables: ShardedTables, path: Path) -> None:
 def load_tables(tables: ShardedTables, path: Path) -> None:
     """Restores what :func:`save_tables` wrote (rank 0 sends, every rank waits),
     onto any number of shards."""
-    tables.flush()
-    tables.generation += 1
-    if tables.rank == 0:
+
+    def write() -> None:
         for t in tables.tables:
             _load_table(tables, t, path / f"model{tables.model_id}" / f"table{t.ref.index}")
-        calls = [
-            tables.transport.call(s, "table_loaded", tables.model_id, tables.generation)
-            for s in range(tables.num_shards)
-        ]
-        tables.wait(calls, list(range(tables.num_shards)), "restoring tables")
-    calls = [
-        tables.transport.call(s, "table_wait_loaded", tables.model_id, tables.generation)
-        for s in range(tables.num_shards)
-    ]
-    tables.wait(calls, list(range(tables.num_shards)), "waiting for the tables' restore")
+
+    tables.publish(write)
     for t in tables.replicas:
-        _read_replica(tables, t)
-
-
-def _read_replica(tables: ShardedTables, t: Table) -> None:
-    """A worker's copy of a replica table takes the restored rows, slice by slice."""
-    for a, b in t.slices():
-        t.write_rows(np.arange(a, b), tables.read_rows(t, a, b)[0])
+        tables.refresh(t)
 
 
 def _load_table(tables: ShardedTables, t: Table, folder: Path) -> None:

@@ -29,6 +29,14 @@ optimizer's work on no row at all, the shards each on the rows they own, once. T
 user's optimizer keeps no state for the weight: its ``state_dict()`` reads the
 shards' in torch's form, and a state its ``load_state_dict()`` put there goes to the
 shards at the next step.
+
+A *looked-up* table (``sparse_optimizer="shards"`` in async and ssp) is such a layer
+whose rows the shards own as they own a sharded table's: rank 0's copy seeds them,
+forward looks up the batch's rows on the shards (fresh as the mode asks), and the
+step pushes their gradients. The worker's weight is not kept current while training
+(no step waits for every worker, so copies written from answers would drift); it
+takes the shards' rows whenever ``state_dict()`` reads it, and rows loaded into it
+(``load_state_dict``) go to the shards at once.
 """
 
 from __future__ import annotations
@@ -37,8 +45,8 @@ import dataclasses
 import itertools
 import logging
 import weakref
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -62,7 +70,13 @@ from ray_ps_plugin._torch_compat import version_counter
 from ray_ps_plugin._transport import Handle, Transport, wait_all
 from ray_ps_plugin._types import RunSettings, staleness_bound
 
-__all__ = ["ShardedTables", "Table", "TableRef"]
+__all__ = ["RealTables", "ShardedTables", "Table", "TableRef"]
+
+#: What becomes of embedding layers with sparse gradients on a real device:
+#: ``"workers"``: nothing (the workers' optimizers step them); ``"copies"``: the
+#: shards step them and every worker's copy takes their answers (sync);
+#: ``"lookups"``: the shards own their rows and forward looks them up (async, ssp).
+RealTables = Literal["workers", "copies", "lookups"]
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +149,12 @@ class Table:
         self.name = name
         self.weight = layer.weight
         self.spec = spec
+        # Rows on a real device, from the user's layer (rank 0's seed the shards),
+        # not drawn by the shards for a layer built on the meta device.
+        self.real = not self.weight.is_meta
+        # Whether forward looks the batch's rows up on the shards (sharded and
+        # looked-up tables) rather than reading the worker's copy (replicas).
+        self.looked_up = not spec.replica
         self.bounds = np.asarray(row_bounds(spec.rows, num_shards))
         self._owner = tables
         self.clock = 0  # updates this worker has pushed
@@ -334,6 +354,8 @@ class ShardedTables:
         local_shards: Shards of this worker's node reached through shared memory:
             in sync and async the worker reads their rows there (ssp pulls them by
             message, where the shard enforces the staleness bound).
+        real_tables: What becomes of embedding layers with sparse gradients on a
+            real device (see :data:`RealTables`).
     """
 
     def __init__(
@@ -347,6 +369,7 @@ class ShardedTables:
         num_shards: int,
         seed: int,
         local_shards: Sequence[int] = (),
+        real_tables: RealTables = "workers",
     ) -> None:
         self.model_id = model_id
         self.transport = transport
@@ -364,8 +387,12 @@ class ShardedTables:
         # A layer already sharded (the same module wrapped again, as a second
         # Lightning fit does in sync) keeps its table and the rows it learnt.
         new = [(n, m) for n, m in meta_tables(module) if not is_sharded(m)]
-        replicas = replica_tables(module) if settings.sparse_optimizer == "shards" else []
-        for index, (name, layer) in enumerate(new + replicas):
+        real = (
+            [(n, m) for n, m in replica_tables(module) if not is_sharded(m)]
+            if real_tables != "workers"
+            else []
+        )
+        for index, (name, layer) in enumerate(new + real):
             spec = TableSpec(
                 rows=layer.num_embeddings,
                 dim=layer.embedding_dim,
@@ -373,7 +400,8 @@ class ShardedTables:
                 seed=seed,
                 staleness=staleness,
                 sync=settings.mode == "sync",
-                replica=index >= len(new),
+                replica=index >= len(new) and real_tables == "copies",
+                seeded=index < len(new),
             )
             table = Table(TableRef(model_id, index), name, layer, spec, num_shards, self)
             self.tables.append(table)
@@ -388,7 +416,7 @@ class ShardedTables:
                 t.ref.index,
                 t.spec,
                 num_shards,
-                s in shared and not t.spec.replica,  # a replica is never pulled
+                s in shared and t.looked_up,  # a replica is never pulled
             )
             for t, s in pairs
         ]
@@ -397,27 +425,71 @@ class ShardedTables:
         for (t, s), (lo, hi, handle) in zip(pairs, created):
             if handle is not None:
                 self._map_rows(t, s, lo, hi, handle)
-        for t, (_, layer) in zip(self.tables, new):
+        for t, (_, layer) in zip(self.tables, new + real):
+            if not t.looked_up:
+                continue
             layer.__class__ = (
                 _ShardedBag if isinstance(layer, torch.nn.EmbeddingBag) else (_ShardedEmbedding)
             )
             layer._ps_table = t.ref  # type: ignore[assignment]
             _LIVE[t.ref] = t
+            if t.real:  # checkpoints read the shards' rows, a load sends its own
+                layer.register_state_dict_pre_hook(lambda *_, t=t: self.refresh(t))
+                layer.register_load_state_dict_post_hook(lambda *_, t=t: self._reload(t))
         self._weights = {id(t.weight): t for t in self.tables}
         for t in self.replicas:
-            self._seed_replica(t)
+            # Every worker's copy is rank 0's, as DDP's constructor would make it
+            # (it leaves the weight alone here).
+            if torch.distributed.is_initialized() and self.world_size > 1:
+                torch.distributed.broadcast(t.weight.data, src=0)
+        if self.real:
+            self.publish(self._send_real)
 
     @property
     def replicas(self) -> list[Table]:
         """The replica tables (held by every worker, stepped on the shards)."""
         return [t for t in self.tables if t.spec.replica]
 
-    def _seed_replica(self, t: Table) -> None:
-        """Makes every worker's copy rank 0's, as DDP's constructor would (it leaves
-        the weight alone here), and gives the shards their rows of it."""
-        if torch.distributed.is_initialized() and self.world_size > 1:
-            torch.distributed.broadcast(t.weight.data, src=0)
-        self.send_replica(t)
+    @property
+    def real(self) -> list[Table]:
+        """The tables whose rows come from a real layer (replicas, looked-up)."""
+        return [t for t in self.tables if t.real]
+
+    def _send_real(self) -> None:
+        for t in self.real:
+            self.send_replica(t)
+
+    def publish(self, write: Callable[[], None]) -> None:
+        """Rank 0 runs ``write`` (rows to the shards), then every rank waits until
+        the shards hold them: no worker looks up or pushes against rows that are
+        about to be replaced."""
+        self.flush()
+        self.generation += 1
+        shards = list(range(self.num_shards))
+        if self.rank == 0:
+            write()
+            calls = [
+                self.transport.call(s, "table_loaded", self.model_id, self.generation)
+                for s in shards
+            ]
+            self.wait(calls, shards, "publishing table rows")
+        calls = [
+            self.transport.call(s, "table_wait_loaded", self.model_id, self.generation)
+            for s in shards
+        ]
+        self.wait(calls, shards, "waiting for rank 0's table rows")
+
+    def refresh(self, t: Table) -> None:
+        """A worker's copy of ``t`` takes the shards' rows, slice by slice."""
+        self.flush()
+        for a, b in t.slices():
+            t.write_rows(np.arange(a, b), self.read_rows(t, a, b)[0])
+
+    def _reload(self, t: Table) -> None:
+        """Rows just loaded into a looked-up table's weight go to the shards (rank
+        0's; every rank waits), as the loaded dense parameters do."""
+        if version_counter(t.weight) != t.version:
+            self.publish(lambda: self.send_replica(t))
 
     def send_replica(
         self,
@@ -500,11 +572,11 @@ class ShardedTables:
         # One step in flight: a shard applies a worker's updates in clock order.
         self.flush()
         for table, group in stepped:
-            if table.spec.replica:
+            if table.real:
                 self._take_state(optimizer, group, table)
-                if version_counter(table.weight) != table.version:
-                    self._resend(table)
-        if any(t.spec.replica for t, _ in stepped) and optimizer not in self._hooked:
+            if table.spec.replica and version_counter(table.weight) != table.version:
+                self._resend(table)
+        if any(t.real for t, _ in stepped) and optimizer not in self._hooked:
             self._hooked.add(optimizer)
             optimizer.register_state_dict_post_hook(self._state_from_shards)
         per_shard: list[list[PushEntry]] = [[] for _ in range(self.num_shards)]
@@ -548,6 +620,8 @@ class ShardedTables:
         entry = optimizer.state.pop(t.weight, None)
         if not entry or not int(entry.get("step", 0)):
             return
+        if t.looked_up:  # its copy is not current: the state goes with the shards' rows
+            self.refresh(t)
         name, _ = optimizer_step_spec(optimizer, group, t.name)
         missing = [n for n in STATE_NAMES[name] if not torch.is_tensor(entry.get(n))]
         if missing:
@@ -567,7 +641,7 @@ class ShardedTables:
         the only one writing a checkpoint), one slice of rows at a time."""
         params = (p for g in optimizer.param_groups for p in g["params"])
         index = {id(p): i for i, p in enumerate(params)}  # torch's numbering
-        for t in self.replicas:
+        for t in self.real:
             i = index.get(id(t.weight))
             if i is None or optimizer.state.get(t.weight):  # loaded, not yet sent
                 continue

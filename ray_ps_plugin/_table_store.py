@@ -83,6 +83,9 @@ class TableSpec:
         replica: Whether every worker holds the whole table too (sync only): the
             shard's rows come from rank 0, and a push's answer carries the rows its
             update changed.
+        seeded: Whether the shards draw the initial rows from ``seed`` (a layer
+            built on the meta device); otherwise they start at zero and rank 0
+            writes its layer's rows before any worker reads them.
     """
 
     rows: int
@@ -92,6 +95,7 @@ class TableSpec:
     staleness: int | None
     sync: bool
     replica: bool = False
+    seeded: bool = True
 
 
 def init_rows(
@@ -213,10 +217,11 @@ class TableStore:
         lo, hi = bounds[self.shard_index], bounds[self.shard_index + 1]
         segment = _shared_rows(hi - lo, spec.dim) if shared else None
         if segment is None:
-            weight = init_rows(spec, table, lo, hi)
-        else:
-            view = segment.view(0, "float32", (hi - lo) * spec.dim)
-            weight = init_rows(spec, table, lo, hi, out=view.reshape(hi - lo, spec.dim))
+            weight = np.zeros((hi - lo, spec.dim), np.float32)
+        else:  # a new segment is zeroed
+            weight = segment.view(0, "float32", (hi - lo) * spec.dim).reshape(hi - lo, spec.dim)
+        if spec.seeded:
+            init_rows(spec, table, lo, hi, out=weight)
         t = _Table(spec, lo, hi, self.num_workers, weight, segment)
         t.clocks = [0] * self.num_workers
         self._tables[key] = t

@@ -104,4 +104,4 @@ class RunSettings(Protocol):
     outer_momentum: float
     diloco_rounds: RoundMode
     diloco_overlap: bool
-    sparse_optimizer: SparseOptimizer
+    sparse_optimizer: SparseOptimizer | None

@@ -149,17 +149,21 @@ class PSConfig(TorchConfig):
             transfer; changes the maths, so off by default.
         sparse_optimizer: Where the optimizer of sparse embedding tables
             (``nn.Embedding`` / ``nn.EmbeddingBag`` with ``sparse=True`` on a real
-            device) runs in ``"sync"``. ``"workers"`` (the default): as under DDP,
-            the shards answer every worker with the union of touched rows, summed,
-            and each worker's optimizer steps its own copy of the table.
-            ``"shards"``: each shard applies the table's optimizer (SparseAdam, SGD
-            or Adagrad, with the user optimizer's hyperparameters at that step) once
-            to the rows it owns, and answers with those rows' new values, which the
-            workers write into their copies; the optimizer's state for the table
-            lives on the shards, and ``optimizer.state_dict()`` /
-            ``load_state_dict()`` read it from and send it back to them. Saves every
-            worker the optimizer's work on the union of rows. Only with
-            ``mode="sync"``.
+            device) runs. ``"workers"``: each worker's optimizer steps its own copy
+            of the table (sync: as under DDP, the shards answer every worker with
+            the union of touched rows, summed; async/ssp: the table is one more
+            parameter whose whole change is pushed each step). ``"shards"``: the
+            shards apply the table's optimizer (SparseAdam, SGD or Adagrad, with the
+            user optimizer's hyperparameters at that step) to the rows a step
+            touched, and the optimizer's state for the table lives on them
+            (``optimizer.state_dict()`` / ``load_state_dict()`` read it from and send
+            it back to them). In sync each shard steps the rows it owns once, for
+            all workers, and answers with their new values, which every worker
+            writes into its copy; in async and ssp each worker's forward looks up
+            the rows of its batch on the shards, as a sharded table does, so a step
+            moves only touched rows. ``None`` (the default): ``"workers"`` in sync
+            (DDP's maths, bit for bit) and diloco, ``"shards"`` in async and ssp.
+            ``"shards"`` is refused with ``mode="diloco"``.
         backend: Torch process-group backend (see TorchConfig). The PS strategy still
             starts one, because DDP's constructor broadcasts rank 0's initial
             parameters and buffers through it.
@@ -190,7 +194,7 @@ class PSConfig(TorchConfig):
     outer_momentum: float = 0.9
     diloco_rounds: RoundMode = "sync"
     diloco_overlap: bool = False
-    sparse_optimizer: SparseOptimizer = "workers"
+    sparse_optimizer: SparseOptimizer | None = None
 
     def __post_init__(self) -> None:
         _check_choice("strategy", self.strategy, STRATEGIES)
@@ -214,13 +218,14 @@ class PSConfig(TorchConfig):
                 raise TypeError(
                     f"PSConfig.{name} must be True or False, got {type(value).__name__} {value!r}."
                 )
-        _check_choice("sparse_optimizer", self.sparse_optimizer, SPARSE_OPTIMIZERS)
-        if self.sparse_optimizer == "shards" and self.mode != "sync":
+        if self.sparse_optimizer is not None:
+            _check_choice("sparse_optimizer", self.sparse_optimizer, SPARSE_OPTIMIZERS)
+        if self.sparse_optimizer == "shards" and not MODE_SPECS[self.mode].tables_on_shards:
             raise ValueError(
-                f"PSConfig.sparse_optimizer='shards' only applies to mode='sync' (got "
-                f"mode={self.mode!r}): the shards answer a step with the rows it changed, "
-                "which keeps every worker's copy of a table equal only when each step "
-                "waits for all workers. Use mode='sync', or sparse_optimizer='workers'."
+                f"PSConfig.sparse_optimizer='shards' does not apply to mode={self.mode!r}: "
+                "its workers take local steps on their own copy of every parameter "
+                "between rounds. Use sparse_optimizer=None or 'workers' there, or "
+                "mode='sync', 'async' or 'ssp'."
             )
         if self.server_placement == "node" and self.num_servers is not None:
             raise ValueError(

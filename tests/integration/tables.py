@@ -158,11 +158,10 @@ def _report(model: Any, opts: list, schedule: Any, step: int, metrics: dict, con
         torch.save(model.module.mlp.state_dict(), Path(d) / "mlp.pt")
         torch.save([o.state_dict() for o in opts], Path(d) / "opts.pt")
         torch.save(schedule.state_dict(), Path(d) / "schedule.pt")
-        if plain:
+        if plain:  # through state_dict(), as a DDP loop checkpoints its model
             for name in ("bags", "items"):
-                np.save(
-                    Path(d) / f"{name}.npy", getattr(model.module, name).weight.detach().numpy()
-                )
+                weight = getattr(model.module, name).state_dict()["weight"]
+                np.save(Path(d) / f"{name}.npy", weight.numpy())
         ray.train.report(
             {**metrics, "step": step}, checkpoint=ray.train.Checkpoint.from_directory(d)
         )

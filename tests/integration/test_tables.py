@@ -29,6 +29,8 @@ MODES = {
     "async": {"mode": "async"},
     # Real tables, every worker holding them, stepped on the shards.
     "replica": {"mode": "sync", "sparse_optimizer": "shards"},
+    # Real tables in async: their rows looked up on the shards and stepped there.
+    "async_real": {"mode": "async"},
 }
 # One worker per node: each reads its own node's shard from shared memory and asks
 # the other node's shard by message.
@@ -50,7 +52,7 @@ def _fit(
         train_loop_config={
             "steps": STEPS,
             "optimizer": "sparse_adam",
-            "meta": mode not in ("ddp", "replica"),
+            "meta": mode not in ("ddp", "replica", "async_real"),
         }
         | config,
         ps_config=PSConfig(ps_timeout_s=20, **MODES[mode]),
@@ -81,6 +83,10 @@ def runs(ray_cluster, tmp_path_factory):
                 done[name] = _fit(storage, name, "replica", every=5, crash_after=12, plain=True)
             elif name == "replica":
                 done[name] = _fit(storage, name, "replica", plain=True)
+            elif name == "async_real":
+                done[name] = _fit(storage, name, "async_real", plain=True)
+            elif name == "async_real_crash":
+                done[name] = _fit(storage, name, "async_real", every=5, crash_after=12, plain=True)
             else:
                 done[name] = _fit(storage, name, name)
         return done[name]
@@ -173,6 +179,38 @@ def test_replicated_tables_stepped_on_the_shards_resume_from_torchs_state_dicts(
     crash, replica = runs("replica_crash"), runs("replica")
     assert crash["metrics"]["start"] in (5, 10)
     assert _max_diff(crash, replica) <= 1e-5
+    assert loops.wait_until(lambda: loops.live_shards() == 0)
+
+
+def test_async_looks_real_tables_up_on_the_shards_and_checkpoints_their_rows(runs):
+    """Async with real tables (sparse_optimizer's default there): the rows live on
+    the shards, forward looks up the batch's, so only touched rows travel; the loop
+    learns; the checkpoint, written through state_dict() as a DDP loop writes it,
+    holds the shards' trained rows, not rank 0's initial copy."""
+    ddp, run = runs("ddp"), runs("async_real")
+    m = run["metrics"]
+    assert np.isfinite(m["final"]) and m["final"] < 0.7 * m["initial"]
+    stats = m["stats"]
+    per_step = (stats["bytes_pulled"] + stats["bytes_pushed"]) / STEPS
+    assert 0 < per_step < 0.5 * 4 * sum(tl.ROWS) * tl.DIM
+    initial = tl.Recsys(meta=False)
+    for name in ("bags", "items"):
+        start = getattr(initial, name).weight.detach().numpy()
+        moved = np.abs(run["tables"][name] - start).max(axis=1) > 0
+        trained = np.abs(ddp["tables"][name] - start).max(axis=1) > 0
+        assert moved.sum() >= 0.5 * trained.sum(), name
+
+
+def test_async_with_real_tables_resumes_from_torchs_state_dicts(runs):
+    """Rank 1 exits after step 12; the restart loads the tables' weights (which go
+    to the new shards at once, every rank waiting) and the optimizer's state dict,
+    and the run learns on from there."""
+    run, first = runs("async_real_crash"), runs("async_real")
+    m = run["metrics"]
+    assert m["start"] in (5, 10)
+    # The restart's first loss is the checkpoint's, already below the untrained one.
+    assert m["initial"] < 0.9 * first["metrics"]["initial"]
+    assert np.isfinite(m["final"]) and m["final"] < 0.7 * first["metrics"]["initial"]
     assert loops.wait_until(lambda: loops.live_shards() == 0)
 
 

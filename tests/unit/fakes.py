@@ -211,7 +211,7 @@ class Settings:
         outer_momentum=0.9,
         diloco_rounds="sync",
         diloco_overlap=False,
-        sparse_optimizer="workers",
+        sparse_optimizer=None,
     ):
         self.mode, self.staleness, self.chunk_bytes = mode, staleness, chunk_bytes
         self.ps_timeout_s, self.nan_policy = ps_timeout_s, nan_policy

@@ -170,7 +170,9 @@ def _replicas_against_ddp(sizes, world, shards, kind, seed):
         for rank in range(world):
             module = _Bags(sizes)
             transport = _TableTransport(lt, servers)
-            tables = ShardedTables(0, module, transport, settings_, rank, world, shards, 0)
+            tables = ShardedTables(
+                0, module, transport, settings_, rank, world, shards, 0, real_tables="copies"
+            )
             opt = _OPTIMIZERS[kind](list(module.parameters()), 0.1)
             workers.append((module, opt, tables))
         ref = _Bags(sizes)

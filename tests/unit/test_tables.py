@@ -995,7 +995,9 @@ def _replica_worker(loop, servers, rank, world, direct=False):
     torch.manual_seed(0)  # every worker's copy starts as rank 0's (DDP broadcasts it)
     module = _Tables("cpu")
     settings = Settings(mode="sync", ps_timeout_s=5.0, sparse_optimizer="shards")
-    tables = ShardedTables(0, module, transport, settings, rank, world, len(servers), 0)
+    tables = ShardedTables(
+        0, module, transport, settings, rank, world, len(servers), 0, real_tables="copies"
+    )
     return module, transport, tables
 
 
@@ -1194,3 +1196,51 @@ def test_a_replica_weight_tied_to_a_dense_layer_is_refused_at_the_step(loop):
             tables.before_step(opt)
     finally:
         tables.close()
+
+
+# --- looked-up tables (async and ssp: real layers whose rows the shards own) --------------
+
+
+def test_async_looks_a_real_tables_rows_up_on_the_shards_and_checkpoints_them(loop):
+    """Two async workers with real tables: the shards start with rank 0's rows (rank
+    1's differ and are never used), forward looks rows up (the layers' outputs equal
+    a reference holding rank 0's rows), a step moves rows on the shards only, and
+    state_dict() reads them; rows loaded into the weight go to the shards at once."""
+    servers = [ParamShard(s, 2, None, 5.0) for s in range(2)]
+    settings = Settings(mode="async", ps_timeout_s=5.0)
+    workers = []
+    for rank in range(2):
+        torch.manual_seed(rank)  # different copies: only rank 0's reach the shards
+        module = _Tables("cpu")
+        transport = _TableTransport(loop, servers)
+        tables = ShardedTables(0, module, transport, settings, rank, 2, 2, 0, real_tables="lookups")
+        workers.append((module, torch.optim.SGD(module.parameters(), lr=0.5), tables))
+    torch.manual_seed(0)
+    ref = _Tables("cpu")
+    try:
+        for module, _, _ in workers:
+            for got, want in zip(module(*_INPUTS[0]), ref(*_INPUTS[0])):
+                torch.testing.assert_close(got, want, rtol=0, atol=0)
+        module, opt, tables = workers[1]
+        before = module.bag.weight.detach().clone()
+        opt.zero_grad()
+        _loss(module(*_INPUTS[1]), 1).backward()
+        assert module.bag.weight.grad is None  # the gradient went to the looked-up rows
+        tables.before_step(opt)
+        opt.step()
+        tables.after_step()
+        tables.flush()
+        assert torch.equal(module.bag.weight, before)  # the copy is not kept current
+        on_shards = _rows_on_shards(tables, 0)
+        touched = sorted(set(_INPUTS[1][0].tolist()) - {5})  # 5: the padding row
+        changed = np.flatnonzero(np.abs(on_shards - ref.bag.weight.detach().numpy()).max(1))
+        assert changed.tolist() == touched
+        # state_dict() holds the shards' rows, on any rank.
+        np.testing.assert_array_equal(workers[0][0].state_dict()["bag.weight"], on_shards)
+        # Rows loaded into the weight reach the shards before load_state_dict returns.
+        loaded = {"weight": torch.full((20, 4), 3.0)}
+        for module, _, _ in workers:
+            module.emb.load_state_dict(loaded)
+        np.testing.assert_array_equal(_rows_on_shards(tables, 1), np.full((20, 4), 3.0))
+    finally:
+        _close(workers)
