@@ -1,12 +1,16 @@
-"""Models, data and machine facts shared by the benchmarks (shipped to workers by value)."""
+"""Models, data, machine facts and driver steps shared by the benchmarks (shipped to
+workers by value)."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import platform
+import statistics
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import date
 from pathlib import Path
 from typing import Any
@@ -170,3 +174,116 @@ def check_placement(name: str, workers: list[dict[str, Any]], args: Any) -> None
             f"{name}: workers landed {per_node} (node id: count), not {args.workers_per_node} "
             f"on each of {args.nodes} nodes; give each node enough CPUs"
         )
+
+
+# --- the drivers' shared steps: command line, rounds of variants, results -------------
+def parser(doc: str | None) -> argparse.ArgumentParser:
+    """A benchmark's argument parser, its help led by ``doc`` with line breaks kept.
+
+    Args:
+        doc: The script's docstring.
+
+    Returns:
+        The parser, without arguments yet.
+    """
+    return argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+
+
+def check_variants(p: argparse.ArgumentParser, names: list[str], known: Collection[str]) -> None:
+    """Exits through ``p.error`` when ``names`` holds a variant that is not in ``known``.
+
+    Args:
+        p: The parser whose error message and exit status are used.
+        names: The variants asked for.
+        known: The benchmark's variants (their names, or a dict keyed by them).
+    """
+    unknown = set(names) - set(known)
+    if unknown:
+        p.error(f"unknown variant(s) {sorted(unknown)}; choose from {list(known)}")
+
+
+def run_rounds(
+    names: list[str], rounds: int, run: Callable[[str], dict[str, Any]], key: str
+) -> list[dict[str, dict[str, Any]]]:
+    """Runs every variant once per round, in the order of ``names``, and prints each
+    round's step times as it ends.
+
+    Args:
+        names: The variants.
+        rounds: How many rounds.
+        run: Runs one variant and returns its metrics.
+        key: The metrics' step time in seconds, shown in milliseconds.
+
+    Returns:
+        Per round, every variant's metrics.
+    """
+    out: list[dict[str, dict[str, Any]]] = []
+    for r in range(rounds):
+        out.append({name: run(name) for name in names})
+        print(round_line(r + 1, out[-1], key), flush=True)
+    return out
+
+
+def run_rotated(
+    variants: list[str], i: int, run: Callable[[str], dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """Round ``i``: runs every variant once, starting ``i`` variants later than round 0.
+
+    Args:
+        variants: The variants, in their listed order.
+        i: The round's index.
+        run: Runs one variant and returns its result.
+
+    Returns:
+        Every variant's result, in the listed order (not the order run).
+    """
+    # Each round starts one variant later: a drift of the machine within a round
+    # (another process, the page cache) does not always favour the same variant.
+    order = variants[i % len(variants) :] + variants[: i % len(variants)]
+    ran = {name: run(name) for name in order}
+    return {name: ran[name] for name in variants}
+
+
+def round_line(number: int, row: dict[str, dict[str, Any]], key: str) -> str:
+    """One round's step times, e.g. ``round 2: ddp 41.3 ms, ps_sync failed``.
+
+    Args:
+        number: The round's number, from 1.
+        row: Every variant's metrics in that round (``{"failed": ...}`` if it failed).
+        key: The metrics' step time in seconds, shown in milliseconds.
+
+    Returns:
+        The line, without its newline.
+    """
+    return f"round {number}: " + ", ".join(
+        f"{k} {v[key] * 1e3:.1f} ms" if "failed" not in v else f"{k} failed" for k, v in row.items()
+    )
+
+
+def round_median(rounds: list[dict[str, dict[str, Any]]], name: str, key: str) -> float:
+    """The median over rounds of variant ``name``'s metric ``key``."""
+    return statistics.median(x[name][key] for x in rounds)
+
+
+def round_ratio(rounds: list[dict[str, dict[str, Any]]], name: str, base: str, key: str) -> float:
+    """The median over rounds of ``name``'s metric ``key`` divided by ``base``'s in the
+    same round."""
+    return statistics.median(x[name][key] / x[base][key] for x in rounds)
+
+
+def write_json(path: str | Path, data: dict[str, Any]) -> Path:
+    """Writes ``data`` as JSON indented by 2 to ``path``, creating its folder.
+
+    Args:
+        path: The file to write.
+        data: The results.
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+    """
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=2))
+    return out

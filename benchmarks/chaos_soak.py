@@ -329,10 +329,7 @@ def _attempts(run_dir: Path) -> list[dict[str, Any]]:
 
 def soak(args: argparse.Namespace) -> dict[str, Any]:
     """Builds the bed, runs fault-free and chaos runs, returns the report."""
-    import torch
-
     netbed = importlib.import_module("tools.netbed")
-    _common = importlib.import_module("_common")
     rng = random.Random(args.seed)
     kinds = [k for k in args.kinds.split(",") if k]
     plan = [k for _ in range(args.repeats) for k in kinds]
@@ -347,40 +344,110 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="chaos_soak_"))
     try:
         bed.start()
-        clean_dir, chaos_dir = work / "clean", work / "chaos"
-        clean_dir.mkdir()
-        chaos_dir.mkdir()
-        print("chaos: fault-free run", file=sys.stderr, flush=True)
-        clean = _run_in_bed(bed, args, clean_dir)
-        print(
-            f"chaos: fault-free run took {clean['wall_s']:.0f} s; chaos run, plan {plan}",
-            file=sys.stderr,
-            flush=True,
-        )
-        injector = Injector(bed, netbed, chaos_dir, plan, rng, args.ps_timeout)
-        thread = threading.Thread(target=injector.run, daemon=True)
-        thread.start()
-        try:
-            chaos = _run_in_bed(bed, args, chaos_dir)
-        finally:
-            injector.done.set()
-            thread.join(120)
+        clean, chaos, injector = _clean_then_chaos(bed, netbed, args, plan, rng, work)
     finally:
         bed.stop()
-    attempts = _attempts(chaos_dir)
-    executed = sum(a["last"] - a["start"] for a in attempts)
-    for f in injector.faults:
-        began = f["at_s"] + injector.t0
+    return _report(args, plan, clean, chaos, injector, _attempts(work / "chaos"))
+
+
+def _clean_then_chaos(
+    bed: Any,
+    netbed: Any,
+    args: argparse.Namespace,
+    plan: list[str],
+    rng: random.Random,
+    work: Path,
+) -> tuple[dict[str, Any], dict[str, Any], Injector]:
+    """The fault-free run, then the chaos run with the injector's thread beside it.
+
+    Args:
+        bed: The started bed.
+        netbed: The netbed module.
+        args: The command line.
+        plan: Fault kinds in order.
+        rng: The seeded random source of moments and durations.
+        work: Where the runs' folders (``clean``, ``chaos``) are made.
+
+    Returns:
+        The fault-free run's and the chaos run's ``run.json``, and the injector.
+    """
+    clean_dir, chaos_dir = work / "clean", work / "chaos"
+    clean_dir.mkdir()
+    chaos_dir.mkdir()
+    print("chaos: fault-free run", file=sys.stderr, flush=True)
+    clean = _run_in_bed(bed, args, clean_dir)
+    print(
+        f"chaos: fault-free run took {clean['wall_s']:.0f} s; chaos run, plan {plan}",
+        file=sys.stderr,
+        flush=True,
+    )
+    injector = Injector(bed, netbed, chaos_dir, plan, rng, args.ps_timeout)
+    thread = threading.Thread(target=injector.run, daemon=True)
+    thread.start()
+    try:
+        chaos = _run_in_bed(bed, args, chaos_dir)
+    finally:
+        injector.done.set()
+        thread.join(120)
+    return clean, chaos, injector
+
+
+def _mark_restarts(faults: list[dict[str, Any]], attempts: list[dict[str, Any]], t0: float) -> None:
+    """Sets each fault's ``restarted``: whether a new attempt began after it and
+    before the next fault.
+
+    Args:
+        faults: The injected faults (``at_s`` counted from ``t0``).
+        attempts: The chaos run's attempts (see :func:`_attempts`).
+        t0: When the injector started.
+    """
+    for f in faults:
+        began = f["at_s"] + t0
         nxt = [a for a in attempts if a["began"] > began]
-        later = [g["at_s"] + injector.t0 for g in injector.faults if g["at_s"] > f["at_s"]]
+        later = [g["at_s"] + t0 for g in faults if g["at_s"] > f["at_s"]]
         # The fault restarted the run if a new attempt began before the next fault.
         f["restarted"] = bool(nxt) and (not later or nxt[0]["began"] < later[0])
-    max_diff = None
-    if clean.get("ok") and chaos.get("ok"):
-        max_diff = max(
-            (torch.tensor(clean["params"][k]) - torch.tensor(chaos["params"][k])).abs().max().item()
-            for k in clean["params"]
-        )
+
+
+def _max_abs_diff(clean: dict[str, Any], chaos: dict[str, Any]) -> float | None:
+    """The largest difference between the two runs' final parameters (None unless
+    both succeeded)."""
+    import torch
+
+    if not (clean.get("ok") and chaos.get("ok")):
+        return None
+    return max(
+        (torch.tensor(clean["params"][k]) - torch.tensor(chaos["params"][k])).abs().max().item()
+        for k in clean["params"]
+    )
+
+
+def _report(
+    args: argparse.Namespace,
+    plan: list[str],
+    clean: dict[str, Any],
+    chaos: dict[str, Any],
+    injector: Injector,
+    attempts: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The soak's report: the runs, the faults (each marked restarted or not) and their
+    toll.
+
+    Args:
+        args: The command line.
+        plan: Fault kinds in order.
+        clean: The fault-free run's ``run.json``.
+        chaos: The chaos run's ``run.json``.
+        injector: The injector, with its faults.
+        attempts: The chaos run's attempts (see :func:`_attempts`).
+
+    Returns:
+        The report, keyed as ``tools/_render`` reads it.
+    """
+    _common = importlib.import_module("_common")
+    executed = sum(a["last"] - a["start"] for a in attempts)
+    _mark_restarts(injector.faults, attempts, injector.t0)
+    max_diff = _max_abs_diff(clean, chaos)
     injected = [f for f in injector.faults if "skipped" not in f]
     return {
         **_common.machine_info(),

@@ -80,10 +80,9 @@ def loop(config: dict[str, Any]) -> None:
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def parse_args() -> argparse.Namespace:
+    """Parses the command line; ``--quick`` shrinks the sweep."""
+    p = _common.parser(__doc__)
     p.add_argument("--sizes", default="1,6,25,50", help="millions of parameters")
     p.add_argument("--workers", default="1,2,4")
     p.add_argument("--variants", default=",".join(VARIANTS))
@@ -95,10 +94,11 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.sizes, args.workers = "1,6", "1,2"
-    sizes = [float(s) for s in args.sizes.split(",")]
-    workers = [int(w) for w in args.workers.split(",")]
-    variants = args.variants.split(",")
+    return args
 
+
+def start_cluster() -> Cluster:
+    """Starts the simulated two-node cluster and connects this driver to it."""
     # Two simulated nodes of 2 logical CPUs each; workers take 0.5 CPU, so 4 workers
     # spread over both nodes (SPREAD) and every run fits.
     cluster = Cluster(
@@ -107,39 +107,75 @@ def main() -> None:
     cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
+    return cluster
+
+
+def run_point(
+    name: str, size: float, w: int, args: argparse.Namespace, storage: str
+) -> dict[str, Any]:
+    """One ``fit()`` of variant ``name`` at about ``size`` million parameters on ``w``
+    workers.
+
+    Args:
+        name: The variant.
+        size: Millions of parameters.
+        w: Workers.
+        args: The command line.
+        storage: Ray Train's storage path.
+
+    Returns:
+        The CSV row: variant, workers, parameters, step time, bytes and peak memory.
+    """
+    cfg, sync = VARIANTS[name]
+    result = PSTrainer(
+        loop,
+        ps_config=cfg,
+        train_loop_config={
+            "sync": sync,
+            "width": width_for(size),
+            "steps": args.steps,
+            "warmup": args.warmup,
+        },
+        scaling_config=ScalingConfig(
+            num_workers=w,
+            resources_per_worker={"CPU": 0.5},
+            placement_strategy="SPREAD",
+        ),
+        run_config=RunConfig(storage_path=storage, name=f"{name}-{time.time_ns()}"),
+    ).fit()
+    m = result.metrics
+    return {
+        "variant": name,
+        "workers": w,
+        "params": m["params"],
+        "step_ms": m["median_step_s"] * 1e3,
+        "bytes_per_step": m["bytes_per_step"],
+        "cross_node_bytes_per_step": m["cross_node_bytes_per_step"],
+        "peak_rss_mb": m["peak_rss_mb"],
+    }
+
+
+def sweep(
+    sizes: list[float], workers: list[int], variants: list[str], args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """Runs every (size, worker count, variant) point, printing each row as it ends.
+
+    Args:
+        sizes: Millions of parameters.
+        workers: Worker counts.
+        variants: The variants.
+        args: The command line.
+
+    Returns:
+        The rows, in the order run.
+    """
     rows = []
     with tempfile.TemporaryDirectory() as storage:
         for size in sizes:
             for w in workers:
                 # One worker: no wrap, every variant is the compute floor; run it once.
                 for name in ["compute"] if w == 1 else variants:
-                    cfg, sync = VARIANTS[name]
-                    result = PSTrainer(
-                        loop,
-                        ps_config=cfg,
-                        train_loop_config={
-                            "sync": sync,
-                            "width": width_for(size),
-                            "steps": args.steps,
-                            "warmup": args.warmup,
-                        },
-                        scaling_config=ScalingConfig(
-                            num_workers=w,
-                            resources_per_worker={"CPU": 0.5},
-                            placement_strategy="SPREAD",
-                        ),
-                        run_config=RunConfig(storage_path=storage, name=f"{name}-{time.time_ns()}"),
-                    ).fit()
-                    m = result.metrics
-                    row = {
-                        "variant": name,
-                        "workers": w,
-                        "params": m["params"],
-                        "step_ms": m["median_step_s"] * 1e3,
-                        "bytes_per_step": m["bytes_per_step"],
-                        "cross_node_bytes_per_step": m["cross_node_bytes_per_step"],
-                        "peak_rss_mb": m["peak_rss_mb"],
-                    }
+                    row = run_point(name, size, w, args, storage)
                     rows.append(row)
                     print(
                         ", ".join(
@@ -148,9 +184,21 @@ def main() -> None:
                         ),
                         flush=True,
                     )
-    ray.shutdown()
-    cluster.shutdown()
+    return rows
 
+
+def write_results(rows: list[dict[str, Any]], workers: list[int], args: argparse.Namespace) -> Path:
+    """Writes the rows as CSV to ``--out``, the machine facts and arguments next to it
+    as JSON, and the plot to ``--plot``.
+
+    Args:
+        rows: The sweep's rows.
+        workers: Worker counts (one panel each).
+        args: The command line.
+
+    Returns:
+        The CSV's path.
+    """
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", newline="") as f:
@@ -158,8 +206,22 @@ def main() -> None:
         writer.writeheader()
         writer.writerows(rows)
     info = _common.machine_info()
-    out.with_suffix(".json").write_text(json.dumps({**info, "args": vars(args)}, indent=2))
+    _common.write_json(out.with_suffix(".json"), {**info, "args": vars(args)})
     _plot(rows, workers, args.plot, info)
+    return out
+
+
+def main() -> None:
+    """Sweeps sizes, worker counts and variants; writes the CSV, JSON and PNG."""
+    args = parse_args()
+    sizes = [float(s) for s in args.sizes.split(",")]
+    workers = [int(w) for w in args.workers.split(",")]
+    variants = args.variants.split(",")
+    cluster = start_cluster()
+    rows = sweep(sizes, workers, variants, args)
+    ray.shutdown()
+    cluster.shutdown()
+    out = write_results(rows, workers, args)
     print(f"wrote {out} and {args.plot}")
 
 

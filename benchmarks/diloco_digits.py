@@ -141,10 +141,13 @@ def run(name: str, seed: int, args: argparse.Namespace, storage: str) -> list[li
         return json.loads(Path(out_dir, "curve.json").read_text())
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def parse_args() -> tuple[argparse.Namespace, list[str]]:
+    """Parses and checks the command line; ``--quick`` shrinks the run.
+
+    Returns:
+        The arguments, and the variants to run.
+    """
+    p = _common.parser(__doc__)
     p.add_argument("--steps", type=int, default=640, help="optimizer steps per worker")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.05, help="inner SGD learning rate")
@@ -164,10 +167,20 @@ def main() -> None:
     if args.quick:
         args.seeds, args.steps = 1, 256
     names = args.variants.split(",")
-    unknown = set(names) - set(VARIANTS)
-    if unknown:
-        p.error(f"unknown variant(s) {sorted(unknown)}; choose from {list(VARIANTS)}")
-    ray.init(num_cpus=2, log_to_driver=False)
+    _common.check_variants(p, names, VARIANTS)
+    return args, names
+
+
+def run_all(names: list[str], args: argparse.Namespace) -> dict[str, list[list[list[float]]]]:
+    """Runs every variant once per seed, seed by seed, printing each final accuracy.
+
+    Args:
+        names: The variants.
+        args: The command line.
+
+    Returns:
+        Per variant, one curve per seed.
+    """
     curves: dict[str, list[list[list[float]]]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory() as storage:
         for seed in range(args.seeds):
@@ -175,35 +188,73 @@ def main() -> None:
                 curves[name].append(run(name, seed, args, storage))
                 _, wall, acc = curves[name][-1][-1]
                 print(f"seed {seed} {name}: accuracy {acc:.3f} after {wall:.1f} s", flush=True)
-    ray.shutdown()
+    return curves
 
-    def final(name: str) -> float:
-        return statistics.fmean(c[-1][2] for c in curves[name])
 
-    summary = {
+def final(curves: dict[str, list[list[list[float]]]], name: str) -> float:
+    """Variant ``name``'s final accuracy, mean over seeds."""
+    return statistics.fmean(c[-1][2] for c in curves[name])
+
+
+def points_below_ddp(
+    curves: dict[str, list[list[list[float]]]], names: list[str]
+) -> dict[str, float]:
+    """Per variant, how many points its final accuracy lies below DDP's (a straggler
+    variant's: below ``ddp_straggler``'s), where that DDP variant ran."""
+    below = {}
+    for n in names:
+        if "ddp" in names and ("straggler" not in n or "ddp_straggler" in names):
+            ddp = "ddp" if "straggler" not in n else "ddp_straggler"
+            below[n] = (final(curves, ddp) - final(curves, n)) * 100
+    return below
+
+
+def summarize(
+    curves: dict[str, list[list[list[float]]]], names: list[str], args: argparse.Namespace
+) -> dict[str, Any]:
+    """The results to store: final accuracies, points below DDP, wall times, every curve.
+
+    Args:
+        curves: Per variant, one curve per seed.
+        names: The variants.
+        args: The command line.
+
+    Returns:
+        The results, keyed as ``tools/_render`` reads them.
+    """
+    return {
         **_common.machine_info(),
         "args": vars(args),
-        "final_accuracy": {n: final(n) for n in names},
-        "points_below_ddp": {
-            n: (final("ddp" if "straggler" not in n else "ddp_straggler") - final(n)) * 100
-            for n in names
-            if "ddp" in names and ("straggler" not in n or "ddp_straggler" in names)
-        },
+        "final_accuracy": {n: final(curves, n) for n in names},
+        "points_below_ddp": points_below_ddp(curves, names),
         "wall_s": {n: statistics.fmean(c[-1][1] for c in curves[n]) for n in names},
         "curves": curves,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(summary, indent=2))
-    _plot(curves, args)
+
+
+def print_table(summary: dict[str, Any], names: list[str]) -> None:
+    """Prints each variant's final accuracy, points below DDP and wall time."""
     print("| variant | final accuracy (mean of seeds) | points below DDP | wall time (s) |")
     print("|---|---|---|---|")
     for n in names:
         below = summary["points_below_ddp"].get(n)
         print(
-            f"| {n} | {final(n):.3f} | {'n/a' if below is None else f'{below:+.1f}'} "
+            f"| {n} | {summary['final_accuracy'][n]:.3f} "
+            f"| {'n/a' if below is None else f'{below:+.1f}'} "
             f"| {summary['wall_s'][n]:.1f} |"
         )
+
+
+def main() -> None:
+    """Runs the variants for every seed, stores the results and plot, prints the table."""
+    args, names = parse_args()
+    ray.init(num_cpus=2, log_to_driver=False)
+    curves = run_all(names, args)
+    ray.shutdown()
+    summary = summarize(curves, names, args)
+    out = _common.write_json(args.out, summary)
+    _plot(curves, args)
+    print_table(summary, names)
     print(f"wrote {out} and {args.plot}")
 
 

@@ -158,9 +158,7 @@ def summarize(rounds: list[dict[str, Any]], variants: list[str]) -> dict[str, An
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = _common.parser(__doc__)
     p.add_argument("--variants", default=DEFAULT_VARIANTS)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=150)
@@ -177,9 +175,9 @@ def main() -> None:
     storage = tempfile.mkdtemp(prefix="dlrm-")
     rounds = []
     for i in range(args.rounds):
-        order = variants[i % len(variants) :] + variants[: i % len(variants)]
-        ran = {name: run_variant(name, args, storage) for name in order}
-        rounds.append({name: ran[name] for name in variants})
+        rounds.append(
+            _common.run_rotated(variants, i, lambda name: run_variant(name, args, storage))
+        )
         print(f"round {i + 1}: " + json.dumps(rounds[-1]), flush=True)
     summary = summarize(rounds, variants)
     for name, entry in summary.items():

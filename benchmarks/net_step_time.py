@@ -223,10 +223,9 @@ def _run_traced(name: str, args: argparse.Namespace, storage: str) -> dict[str, 
     return metrics
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's flags and their defaults."""
+    p = _common.parser(__doc__)
     p.add_argument(
         "--address",
         default=os.environ.get("RAY_ADDRESS"),
@@ -271,57 +270,103 @@ def main() -> None:
         default="benchmarks/results/net_step_time.json",
         help="where the raw results go (docs/benchmarks.md renders net_2x1_1gbit.json etc.)",
     )
-    args = p.parse_args()
-    # Ray Train waits for the controller's poll on every report (2 s by default); the
-    # driver's value reaches the controller and the workers.
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
+    return p
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """Exits through ``p.error`` on unknown variants, no cluster or nothing to time.
+
+    Args:
+        p: The parser.
+        args: Its parsed command line.
+
+    Returns:
+        The variants to run (``ddp`` first, no repeats).
+    """
     names = list(dict.fromkeys(["ddp", *args.variants.split(",")]))
-    unknown = set(names) - set(VARIANTS)
-    if unknown:
-        p.error(f"unknown variant(s) {sorted(unknown)}; choose from {list(VARIANTS)}")
+    _common.check_variants(p, names, VARIANTS)
     if not args.address:
         p.error("no cluster: pass --address or run under tools/netbed.py")
     if args.steps < 1 or args.rounds < 1:
         p.error("--steps and --rounds must be >= 1")
+    return names
 
+
+def join_cluster(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Connects to ``--address``; exits through ``p.error`` if it has fewer alive nodes
+    than ``--nodes``."""
     ray.init(address=args.address, log_to_driver=False)
     alive = [n for n in ray.nodes() if n["Alive"]]
     if len(alive) < args.nodes:
         p.error(f"the cluster has {len(alive)} alive node(s), fewer than --nodes {args.nodes}")
 
-    # Other work on the machine skews the times; the load averages say how much.
-    load_start = os.getloadavg()
-    rounds: list[dict[str, dict[str, Any]]] = []
+
+def run_rounds(names: list[str], args: argparse.Namespace) -> list[dict[str, dict[str, Any]]]:
+    """Runs every variant once per round, in the order of ``names``.
+
+    Args:
+        names: The variants.
+        args: The command line.
+
+    Returns:
+        Per round, every variant's rank-0 metrics.
+    """
     with tempfile.TemporaryDirectory() as tmp:
         storage = args.storage or tmp
-        for r in range(args.rounds):
-            rounds.append({name: _run_traced(name, args, storage) for name in names})
-            print(
-                f"round {r + 1}: "
-                + ", ".join(f"{k} {v['mean_step_s'] * 1e3:.1f} ms" for k, v in rounds[-1].items()),
-                flush=True,
-            )
-    ray.shutdown()
+        return _common.run_rounds(
+            names, args.rounds, lambda name: _run_traced(name, args, storage), "mean_step_s"
+        )
 
-    def med(name: str) -> float:
-        return statistics.median(x[name]["mean_step_s"] for x in rounds)
 
-    def ratio(name: str, base: str = "ddp") -> float:
-        return statistics.median(x[name]["mean_step_s"] / x[base]["mean_step_s"] for x in rounds)
+def counterpart(name: str, names: list[str]) -> str:
+    """What a PS variant is held against: DDP, or DDP with its bf16 hook."""
+    return "ddp_bf16" if "bf16" in name and "ddp_bf16" in names else "ddp"
 
-    def counterpart(name: str) -> str:
-        """What a PS variant is held against: DDP, or DDP with its bf16 hook."""
-        return "ddp_bf16" if "bf16" in name and "ddp_bf16" in names else "ddp"
 
-    def link_mb(name: str) -> float | None:
-        vals = [x[name]["workers"][0]["link_bytes_per_step"] for x in rounds]
-        return statistics.median(vals) / 1e6 if None not in vals else None
+def _link_mb(rounds: list[dict[str, dict[str, Any]]], name: str) -> float | None:
+    """Median over rounds of rank 0's link traffic per step, in MB (None if unread)."""
+    vals = [x[name]["workers"][0]["link_bytes_per_step"] for x in rounds]
+    return statistics.median(vals) / 1e6 if None not in vals else None
 
-    placement = {
-        name: [(w["rank"], w["node_ip"], w["node_id"]) for w in rounds[-1][name]["workers"]]
-        for name in names
+
+def _retransmits_per_step(rounds: list[dict[str, dict[str, Any]]], name: str) -> float:
+    """Median over rounds of the TCP retransmits per step on rank 0's node (unread: 0)."""
+    return statistics.median(
+        x[name]["workers"][0].get("tcp_retransmits_per_step") or 0 for x in rounds
+    )
+
+
+def _link_trace(rounds: list[dict[str, dict[str, Any]]], names: list[str]) -> dict[str, Any]:
+    """Per variant, the median over rounds of every link-trace figure measured in all
+    rounds."""
+    return {
+        k: {
+            stat: statistics.median(x[k]["link_trace"][stat] for x in rounds)
+            for stat in rounds[0][k]["link_trace"]
+            if None not in [x[k]["link_trace"][stat] for x in rounds]
+        }
+        for k in names
     }
-    summary = {
+
+
+def summarize(
+    rounds: list[dict[str, dict[str, Any]]],
+    names: list[str],
+    args: argparse.Namespace,
+    load_start: tuple[float, float, float],
+) -> dict[str, Any]:
+    """The results to store: the setup, medians and ratios per variant, and every round.
+
+    Args:
+        rounds: Per round, every variant's rank-0 metrics.
+        names: The variants.
+        args: The command line.
+        load_start: The machine's load averages before the first round.
+
+    Returns:
+        The results, keyed as ``tools/_render`` reads them.
+    """
+    return {
         **_common.machine_info(),
         "rate": args.rate,
         "nodes": args.nodes,
@@ -331,36 +376,33 @@ def main() -> None:
         "loadavg_start": load_start,
         "loadavg_end": os.getloadavg(),
         "args": vars(args),
-        "mean_step_ms": {k: med(k) * 1e3 for k in names},
-        "ratio_to_ddp": {k: ratio(k) for k in names},
-        "counterpart": {k: counterpart(k) for k in names},
-        "ratio_to_counterpart": {k: ratio(k, counterpart(k)) for k in names},
-        "rank0_link_mb_per_step": {k: link_mb(k) for k in names},
-        "rank0_node_retransmits_per_step": {
-            k: statistics.median(
-                x[k]["workers"][0].get("tcp_retransmits_per_step") or 0 for x in rounds
-            )
-            for k in names
+        "mean_step_ms": {k: _common.round_median(rounds, k, "mean_step_s") * 1e3 for k in names},
+        "ratio_to_ddp": {k: _common.round_ratio(rounds, k, "ddp", "mean_step_s") for k in names},
+        "counterpart": {k: counterpart(k, names) for k in names},
+        "ratio_to_counterpart": {
+            k: _common.round_ratio(rounds, k, counterpart(k, names), "mean_step_s") for k in names
         },
-        "placement_last_round": placement,
-        "link_trace": {
-            k: {
-                stat: statistics.median(x[k]["link_trace"][stat] for x in rounds)
-                for stat in rounds[0][k]["link_trace"]
-                if None not in [x[k]["link_trace"][stat] for x in rounds]
-            }
-            for k in names
-        }
-        if args.link_trace
-        else None,
+        "rank0_link_mb_per_step": {k: _link_mb(rounds, k) for k in names},
+        "rank0_node_retransmits_per_step": {k: _retransmits_per_step(rounds, k) for k in names},
+        "placement_last_round": {
+            name: [(w["rank"], w["node_ip"], w["node_id"]) for w in rounds[-1][name]["workers"]]
+            for name in names
+        },
+        "link_trace": _link_trace(rounds, names) if args.link_trace else None,
         "rounds": rounds,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(summary, indent=2))
 
+
+def print_report(summary: dict[str, Any], names: list[str], args: argparse.Namespace) -> None:
+    """Prints where the workers ran and the table of step times, ratios and traffic.
+
+    Args:
+        summary: The results of :func:`summarize`.
+        names: The variants.
+        args: The command line.
+    """
     print(f"\nworkers (last round, {names[0]}): rank, node ip, node id")
-    for rank, ip, node in placement[names[0]]:
+    for rank, ip, node in summary["placement_last_round"][names[0]]:
         print(f"  {rank}  {ip}  {node}")
     print(
         f"\n{args.nodes} node(s) x {args.workers_per_node} worker(s), link {args.rate}, "
@@ -372,12 +414,30 @@ def main() -> None:
     )
     print("|---|---|---|---|---|")
     for k in names:
-        mb = link_mb(k)
+        mb = summary["rank0_link_mb_per_step"][k]
         print(
-            f"| {k} | {med(k) * 1e3:.1f} | {ratio(k):.2f}x | "
-            f"{ratio(k, counterpart(k)):.2f}x ({counterpart(k)}) | "
+            f"| {k} | {summary['mean_step_ms'][k]:.1f} | {summary['ratio_to_ddp'][k]:.2f}x | "
+            f"{summary['ratio_to_counterpart'][k]:.2f}x ({summary['counterpart'][k]}) | "
             f"{'n/a' if mb is None else f'{mb:.1f}'} |"
         )
+
+
+def main() -> None:
+    """Runs the variants in rounds, stores the results and prints their table."""
+    p = build_parser()
+    args = p.parse_args()
+    # Ray Train waits for the controller's poll on every report (2 s by default); the
+    # driver's value reaches the controller and the workers.
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
+    names = check_args(p, args)
+    join_cluster(p, args)
+    # Other work on the machine skews the times; the load averages say how much.
+    load_start = os.getloadavg()
+    rounds = run_rounds(names, args)
+    ray.shutdown()
+    summary = summarize(rounds, names, args, load_start)
+    out = _common.write_json(args.out, summary)
+    print_report(summary, names, args)
     print(f"wrote {out}")
 
 

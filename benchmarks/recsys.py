@@ -149,10 +149,46 @@ def bench_loop(config: dict[str, Any]) -> None:
         torch.optim.SparseAdam(list(net.tables.parameters()), lr=1e-2),
         torch.optim.Adam([*net.bottom.parameters(), *net.top.parameters()], lr=1e-3),
     ]
+    ps = get_ps_context()
+    times, start = _timed_steps(config, rank, model, opts, ps)
+    link = _common.link_bytes(config["ifname"])
+    mine = _worker_metrics(config, net, rank, world, times, start, link)
+    if ps is not None and start.get("ps") is not None:
+        mine["ps_bytes_per_step"] = _ps_bytes_since(ps, start) / len(times)
+    import torch.distributed as dist
+
+    workers: list[Any] = [None] * world
+    dist.all_gather_object(workers, mine)
+    metrics = {
+        "mean_step_s": mine["mean_step_s"],
+        "workers": workers,
+        "table_bytes": config["tables"] * config["rows"] * config["dim"] * 4,
+        "shard_peak_rss_bytes": _shard_peak_rss() if rank == 0 else None,
+    }
+    with tempfile.TemporaryDirectory() as d:
+        Path(d, "m.json").write_text(json.dumps(metrics))
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
+
+
+def _timed_steps(
+    config: dict[str, Any], rank: int, model: nn.Module, opts: list[Any], ps: Any
+) -> tuple[list[float], dict[str, Any]]:
+    """Runs the warm-up and timed DLRM steps on this worker's Zipf ids.
+
+    Args:
+        config: The train loop's config.
+        rank: This worker's rank.
+        model: The prepared DLRM.
+        opts: Its optimizers (SparseAdam for the tables, Adam for the MLPs).
+        ps: The PS context, or None under DDP.
+
+    Returns:
+        The timed steps' seconds, and the counters read as timing began: ``link``
+        (link bytes), ``ps`` (the PS stats) and ``tables`` (the table stats).
+    """
     g = torch.Generator().manual_seed(rank)
     times = []
     start: dict[str, Any] = {}
-    ps = get_ps_context()
     for step in range(config["warmup"] + config["steps"]):
         ids = [torch.from_numpy(i) for i in zipf_ids(config, step, rank)]
         dense = torch.randn(config["batch"], DENSE_FEATURES, generator=g)
@@ -171,17 +207,46 @@ def bench_loop(config: dict[str, Any]) -> None:
             o.step()
         if step >= config["warmup"]:
             times.append(time.perf_counter() - t0)
-    link = _common.link_bytes(config["ifname"])
+    return times, start
+
+
+def _worker_metrics(
+    config: dict[str, Any],
+    net: DLRM,
+    rank: int,
+    world: int,
+    times: list[float],
+    start: dict[str, Any],
+    link: int | None,
+) -> dict[str, Any]:
+    """This worker's figures: placement, step time, the cost model's bytes, peak
+    memory, rows touched and link bytes, all per timed step.
+
+    Args:
+        config: The train loop's config.
+        net: The unwrapped DLRM.
+        rank: This worker's rank.
+        world: The number of workers.
+        times: The timed steps' seconds.
+        start: The counters read as timing began (see :func:`_timed_steps`).
+        link: The link's byte counter read after the timed steps.
+
+    Returns:
+        The figures, gathered by rank 0.
+    """
+    steps = len(times)
     # After the timed steps: the workers share the machine's cores, so this
     # bookkeeping (every worker's ids, drawn again) would slow the others' steps.
-    costs = [cost_rows(config, step, rank, world) for step in range(config["warmup"], step + 1)]
+    costs = [
+        cost_rows(config, step, rank, world)
+        for step in range(config["warmup"], config["warmup"] + steps)
+    ]
     row = 8 + 4 * config["dim"]
     dense_bytes = sum(
         p.numel() * 4 for n, p in net.named_parameters() if not n.startswith("tables")
     )
-    steps = len(times)
     n, u, others = (sum(c[i] for c in costs) / steps for i in range(3))
-    mine: dict[str, Any] = {
+    return {
         "rank": rank,
         "node_id": ray.get_runtime_context().get_node_id(),
         "mean_step_s": statistics.fmean(times),
@@ -200,32 +265,20 @@ def bench_loop(config: dict[str, Any]) -> None:
         if link is not None and start.get("link") is not None
         else None,
     }
-    if ps is not None and start.get("ps") is not None:
-        end = ps.stats
-        end_tables = ps.table_stats()
-        table_bytes = sum(
-            end_tables[k] - start["tables"][k] for k in ("bytes_pulled", "bytes_pushed")
-        )
-        mine["ps_bytes_per_step"] = (
-            end.bytes_pushed
-            + end.bytes_pulled
-            - start["ps"].bytes_pushed
-            - start["ps"].bytes_pulled
-            + table_bytes
-        ) / steps
-    import torch.distributed as dist
 
-    workers: list[Any] = [None] * world
-    dist.all_gather_object(workers, mine)
-    metrics = {
-        "mean_step_s": mine["mean_step_s"],
-        "workers": workers,
-        "table_bytes": config["tables"] * config["rows"] * config["dim"] * 4,
-        "shard_peak_rss_bytes": _shard_peak_rss() if rank == 0 else None,
-    }
-    with tempfile.TemporaryDirectory() as d:
-        Path(d, "m.json").write_text(json.dumps(metrics))
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
+
+def _ps_bytes_since(ps: Any, start: dict[str, Any]) -> int:
+    """Bytes this worker pushed and pulled (dense and tables) since ``start``'s stats."""
+    end = ps.stats
+    end_tables = ps.table_stats()
+    table_bytes = sum(end_tables[k] - start["tables"][k] for k in ("bytes_pulled", "bytes_pushed"))
+    return (
+        end.bytes_pushed
+        + end.bytes_pulled
+        - start["ps"].bytes_pushed
+        - start["ps"].bytes_pulled
+        + table_bytes
+    )
 
 
 def _shard_peak_rss() -> list[int]:
@@ -339,9 +392,7 @@ def summarize(rounds: list[dict[str, Any]], variants: list[str]) -> dict[str, An
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = _common.parser(__doc__)
     p.add_argument("--address", default=None, help="Ray cluster to join (default: local)")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--workers-per-node", type=int, default=4)
@@ -368,18 +419,10 @@ def main() -> None:
     storage = args.storage or tempfile.mkdtemp(prefix="recsys-")
     rounds = []
     for i in range(args.rounds):
-        # Each round starts one variant later: a drift of the machine within a round
-        # (another process, the page cache) does not always favour the same variant.
-        order = variants[i % len(variants) :] + variants[: i % len(variants)]
-        ran = {name: run_variant(name, args, storage) for name in order}
-        rounds.append({name: ran[name] for name in variants})
-        print(
-            f"round {i + 1}: "
-            + ", ".join(
-                f"{k} {v['mean_step_s'] * 1e3:.1f} ms" if "failed" not in v else f"{k} failed"
-                for k, v in rounds[-1].items()
-            )
+        rounds.append(
+            _common.run_rotated(variants, i, lambda name: run_variant(name, args, storage))
         )
+        print(_common.round_line(i + 1, rounds[-1], "mean_step_s"))
     summary = summarize(rounds, variants)
     for name, s in summary.items():
         print(name, json.dumps(s))

@@ -94,10 +94,13 @@ def run_variant(name: str, args: argparse.Namespace, storage: str) -> dict[str, 
     return dict(result.metrics)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def parse_args() -> tuple[argparse.Namespace, list[str]]:
+    """Parses and checks the command line; ``--quick`` shrinks the run.
+
+    Returns:
+        The arguments, and the variants to run (compute, ddp and ps_sync first).
+    """
+    p = _common.parser(__doc__)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=5)
@@ -114,39 +117,35 @@ def main() -> None:
     if args.quick:
         args.rounds, args.steps, args.width = 1, 10, 512
     names = list(dict.fromkeys(["compute", "ddp", "ps_sync", *args.variants.split(",")]))
-    unknown = set(names) - set(VARIANTS)
-    if unknown:
-        p.error(f"unknown variant(s) {sorted(unknown)}; choose from {list(VARIANTS)}")
+    _common.check_variants(p, names, VARIANTS)
+    return args, names
 
-    ray.init(num_cpus=args.workers, include_dashboard=False, log_to_driver=False)
-    rounds: list[dict[str, dict[str, Any]]] = []
-    with tempfile.TemporaryDirectory() as storage:
-        for r in range(args.rounds):
-            rounds.append({name: run_variant(name, args, storage) for name in names})
-            row = rounds[-1]
-            print(
-                f"round {r + 1}: "
-                + ", ".join(f"{k} {v['median_step_s'] * 1e3:.1f} ms" for k, v in row.items()),
-                flush=True,
-            )
-    ray.shutdown()
 
-    def med(name: str) -> float:
-        return statistics.median(x[name]["median_step_s"] for x in rounds)
+def summarize(
+    rounds: list[dict[str, dict[str, Any]]], names: list[str], args: argparse.Namespace
+) -> dict[str, Any]:
+    """The results to store: step times, ratios, ps_sync's bytes and calls, every round.
 
-    def ratio(a: str, b: str) -> float:
-        return statistics.median(x[a]["median_step_s"] / x[b]["median_step_s"] for x in rounds)
+    Args:
+        rounds: Per round, every variant's rank-0 metrics.
+        names: The variants.
+        args: The command line.
 
+    Returns:
+        The results, keyed as ``tools/_render`` reads them.
+    """
     ps = rounds[-1]["ps_sync"]
     bytes_per_step = ps["bytes_moved"] / max(1, ps["steps_synced"])
     minimum = 2 * ps["model_bytes"]
-    summary = {
+    return {
         **_common.machine_info(),
         "args": vars(args),
-        "median_step_ms": {k: med(k) * 1e3 for k in names},
-        "ratio_ps_to_ddp": ratio("ps_sync", "ddp"),
-        "ratio_ddp_to_compute": ratio("ddp", "compute"),
-        "ratio_ps_to_compute": ratio("ps_sync", "compute"),
+        "median_step_ms": {
+            k: _common.round_median(rounds, k, "median_step_s") * 1e3 for k in names
+        },
+        "ratio_ps_to_ddp": _common.round_ratio(rounds, "ps_sync", "ddp", "median_step_s"),
+        "ratio_ddp_to_compute": _common.round_ratio(rounds, "ddp", "compute", "median_step_s"),
+        "ratio_ps_to_compute": _common.round_ratio(rounds, "ps_sync", "compute", "median_step_s"),
         "ps_bytes_per_worker_step": bytes_per_step,
         "min_bytes_per_worker_step": minimum,
         "bytes_over_minimum": bytes_per_step / minimum,
@@ -161,23 +160,47 @@ def main() -> None:
         ),
         "rounds": rounds,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(summary, indent=2))
 
+
+def print_report(
+    summary: dict[str, Any], rounds: list[dict[str, dict[str, Any]]], names: list[str]
+) -> None:
+    """Prints the table of step times and ratios to DDP, then ps_sync's bytes and calls.
+
+    Args:
+        summary: The results of :func:`summarize`.
+        rounds: Per round, every variant's rank-0 metrics.
+        names: The variants.
+    """
     print("\n| variant | median step (ms) | ratio to DDP (median of rounds) |")
     print("|---|---|---|")
     for k in names:
-        r = ratio(k, "ddp")
-        print(f"| {k} | {med(k) * 1e3:.1f} | {r:.2f}x |")
+        r = _common.round_ratio(rounds, k, "ddp", "median_step_s")
+        print(f"| {k} | {summary['median_step_ms'][k]:.1f} | {r:.2f}x |")
+    bytes_per_step = summary["ps_bytes_per_worker_step"]
+    minimum = summary["min_bytes_per_worker_step"]
     print(
         f"\nbytes per worker per step (PS): {bytes_per_step / 1e6:.2f} MB; minimum "
         f"(push + pull of one model): {minimum / 1e6:.2f} MB; ratio {bytes_per_step / minimum:.3f}"
     )
     print(
         "remote calls per worker per step per shard (ps_sync): "
-        f"{ps['calls_per_step_per_shard']:.2f}"
+        f"{summary['calls_per_step_per_shard']:.2f}"
     )
+
+
+def main() -> None:
+    """Runs the variants in rounds, stores the results and prints their table."""
+    args, names = parse_args()
+    ray.init(num_cpus=args.workers, include_dashboard=False, log_to_driver=False)
+    with tempfile.TemporaryDirectory() as storage:
+        rounds = _common.run_rounds(
+            names, args.rounds, lambda name: run_variant(name, args, storage), "median_step_s"
+        )
+    ray.shutdown()
+    summary = summarize(rounds, names, args)
+    out = _common.write_json(args.out, summary)
+    print_report(summary, rounds, names)
     print(f"wrote {out}")
 
 

@@ -192,10 +192,9 @@ def measure_throughput(
     }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def parse_args() -> argparse.Namespace:
+    """Parses the command line; ``--quick`` shrinks the rounds and steps."""
+    p = _common.parser(__doc__)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=5)
@@ -208,69 +207,121 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.rounds, args.steps, args.digits_steps = 1, 20, 100
-    sleep_s = args.sleep_ms / 1e3
+    return args
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+
+def throughput_rounds(
+    args: argparse.Namespace, sleep_s: float, storage: str
+) -> list[dict[str, dict[str, Any]]]:
+    """Part 1: every mode without and with the straggler, once per round.
+
+    Args:
+        args: The command line.
+        sleep_s: The straggler's extra time per step.
+        storage: Ray Train's storage path.
+
+    Returns:
+        Per round, ``mode`` and ``mode+straggler``'s throughput figures.
+    """
     rounds: list[dict[str, dict[str, Any]]] = []
-    curves: dict[str, list[tuple[float, float]]] = {}
-    with tempfile.TemporaryDirectory() as storage:
-        for r in range(args.rounds):
-            row = {}
-            for mode in MODES:
-                for straggler in (False, True):
-                    key = f"{mode}{'+straggler' if straggler else ''}"
-                    row[key] = measure_throughput(
-                        mode, sleep_s if straggler else 0.0, args, storage
-                    )
-                    print(
-                        f"round {r + 1} {key}: {row[key]['samples_per_s']:.0f} samples/s, "
-                        f"steps {row[key]['median_step_ms']} ms",
-                        flush=True,
-                    )
-            rounds.append(row)
-        for straggler in (True, False):
-            for mode in MODES:
-                key = mode if straggler else f"{mode}-no-straggler"
-                with tempfile.TemporaryDirectory() as out_dir:
-                    _fit(
-                        digits_loop,
-                        MODES[mode],
-                        {
-                            "lr": 0.05,
-                            "steps": args.digits_steps,
-                            "eval_every": 10,
-                            "sleep_s": sleep_s if straggler else 0.0,
-                            "out_dir": out_dir,
-                        },
-                        storage,
-                    )
-                    curves[key] = json.loads(Path(out_dir, "curve.json").read_text())
+    for r in range(args.rounds):
+        row = {}
+        for mode in MODES:
+            for straggler in (False, True):
+                key = f"{mode}{'+straggler' if straggler else ''}"
+                row[key] = measure_throughput(mode, sleep_s if straggler else 0.0, args, storage)
                 print(
-                    f"digits {key}: final accuracy {curves[key][-1][1]:.3f} after "
-                    f"{curves[key][-1][0]:.1f} s",
+                    f"round {r + 1} {key}: {row[key]['samples_per_s']:.0f} samples/s, "
+                    f"steps {row[key]['median_step_ms']} ms",
                     flush=True,
                 )
-    ray.shutdown()
+        rounds.append(row)
+    return rounds
 
-    keys = list(rounds[0])
 
-    def ratio(key: str, field: str = "samples_per_s", base: str = "ddp") -> float:
-        base_key = base + ("+straggler" if key.endswith("+straggler") else "")
-        if field == "samples_per_s":
-            return statistics.median(x[key][field] / x[base_key][field] for x in rounds)
-        # Step time of the fast worker (rank 0).
-        return statistics.median(
-            x[key]["median_step_ms"][0] / x[base_key]["median_step_ms"][0] for x in rounds
+def digits_curve(
+    mode: str, sleep_s: float, args: argparse.Namespace, storage: str
+) -> list[tuple[float, float]]:
+    """One digits run of ``mode``; returns rank 0's (seconds, test accuracy) points."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        _fit(
+            digits_loop,
+            MODES[mode],
+            {
+                "lr": 0.05,
+                "steps": args.digits_steps,
+                "eval_every": 10,
+                "sleep_s": sleep_s,
+                "out_dir": out_dir,
+            },
+            storage,
         )
+        return json.loads(Path(out_dir, "curve.json").read_text())
 
-    summary = {
+
+def digits_curves(
+    args: argparse.Namespace, sleep_s: float, storage: str
+) -> dict[str, list[tuple[float, float]]]:
+    """Part 2: every mode's digits curve with the straggler, then without.
+
+    Args:
+        args: The command line.
+        sleep_s: The straggler's extra time per step.
+        storage: Ray Train's storage path.
+
+    Returns:
+        The curves, keyed ``mode`` (straggler) and ``mode-no-straggler``.
+    """
+    curves: dict[str, list[tuple[float, float]]] = {}
+    for straggler in (True, False):
+        for mode in MODES:
+            key = mode if straggler else f"{mode}-no-straggler"
+            curves[key] = digits_curve(mode, sleep_s if straggler else 0.0, args, storage)
+            print(
+                f"digits {key}: final accuracy {curves[key][-1][1]:.3f} after "
+                f"{curves[key][-1][0]:.1f} s",
+                flush=True,
+            )
+    return curves
+
+
+def ratio_to_ddp(
+    rounds: list[dict[str, dict[str, Any]]], key: str, field: str = "samples_per_s"
+) -> float:
+    """Median over rounds of ``key``'s throughput (or, for any other ``field``, rank 0's
+    step time) divided by DDP's in the same round, straggler against straggler."""
+    base_key = "ddp" + ("+straggler" if key.endswith("+straggler") else "")
+    if field == "samples_per_s":
+        return _common.round_ratio(rounds, key, base_key, field)
+    # Step time of the fast worker (rank 0).
+    return statistics.median(
+        x[key]["median_step_ms"][0] / x[base_key]["median_step_ms"][0] for x in rounds
+    )
+
+
+def summarize(
+    rounds: list[dict[str, dict[str, Any]]],
+    curves: dict[str, list[tuple[float, float]]],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """The results to store: ratios to DDP, throughput, final accuracies, every curve
+    and round.
+
+    Args:
+        rounds: Part 1's rounds.
+        curves: Part 2's curves.
+        args: The command line.
+
+    Returns:
+        The results, keyed as ``tools/_render`` reads them.
+    """
+    keys = list(rounds[0])
+    return {
         **_common.machine_info(),
         "args": vars(args),
-        "throughput_ratio_to_ddp": {k: ratio(k) for k in keys},
-        "rank0_step_ratio_to_ddp": {k: ratio(k, "step") for k in keys},
-        "samples_per_s": {
-            k: statistics.median(x[k]["samples_per_s"] for x in rounds) for k in keys
-        },
+        "throughput_ratio_to_ddp": {k: ratio_to_ddp(rounds, k) for k in keys},
+        "rank0_step_ratio_to_ddp": {k: ratio_to_ddp(rounds, k, "step") for k in keys},
+        "samples_per_s": {k: _common.round_median(rounds, k, "samples_per_s") for k in keys},
         "final_digits_accuracy": {m: curves[m][-1][1] for m in MODES},
         "final_digits_accuracy_no_straggler": {
             m: curves[f"{m}-no-straggler"][-1][1] for m in MODES
@@ -278,23 +329,37 @@ def main() -> None:
         "curves": {m: curves[m] for m in MODES},
         "rounds": rounds,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(summary, indent=2))
-    _plot({m: curves[m] for m in MODES}, args.plot, args.sleep_ms)
 
+
+def print_table(summary: dict[str, Any], rounds: list[dict[str, dict[str, Any]]]) -> None:
+    """Prints part 1's table: throughput, ratios to DDP and the last round's staleness."""
     print(
         "\n| variant | samples/s (all workers) | throughput / DDP | rank-0 step / DDP "
         "| staleness max (rank 0, 1) |"
     )
     print("|---|---|---|---|---|")
-    for k in keys:
+    for k in rounds[0]:
         last = rounds[-1][k]
         print(
             f"| {k} | {summary['samples_per_s'][k]:.0f} "
             f"| {summary['throughput_ratio_to_ddp'][k]:.2f}x | "
             f"{summary['rank0_step_ratio_to_ddp'][k]:.2f}x | {last['staleness_max']} |"
         )
+
+
+def main() -> None:
+    """Runs both parts, stores the results and the plot, prints the table."""
+    args = parse_args()
+    sleep_s = args.sleep_ms / 1e3
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    with tempfile.TemporaryDirectory() as storage:
+        rounds = throughput_rounds(args, sleep_s, storage)
+        curves = digits_curves(args, sleep_s, storage)
+    ray.shutdown()
+    summary = summarize(rounds, curves, args)
+    out = _common.write_json(args.out, summary)
+    _plot({m: curves[m] for m in MODES}, args.plot, args.sleep_ms)
+    print_table(summary, rounds)
     print(f"\nwrote {out} and {args.plot}")
 
 

@@ -35,8 +35,8 @@ from typing import Any
 import numpy as np
 
 import ray_ps_plugin
-from ray_ps_plugin._sync.frames import Frame
-from ray_ps_plugin._sync.wire import WireServer, WireStreams
+from ray_ps_plugin._wire.frames import Frame
+from ray_ps_plugin._wire.path import WireServer, WireStreams
 
 TOKEN = bytes(range(32))
 

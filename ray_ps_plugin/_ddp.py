@@ -27,8 +27,10 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ray_ps_plugin import _runtime, _table_client, _table_layers, _torch_compat
+from ray_ps_plugin import _runtime, _torch_compat
 from ray_ps_plugin._modes import MODE_SPECS, sparse_optimizer
+from ray_ps_plugin._tables import client as _table_client
+from ray_ps_plugin._tables import layers as _table_layers
 from ray_ps_plugin._transport import RayTransport
 from ray_ps_plugin._types import Compression, RunSettings
 

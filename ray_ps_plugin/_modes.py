@@ -58,6 +58,9 @@ class ModeSpec:
             only the rows it touched instead of the whole table.
         tables_on_shards: Whether the mode can step sparse tables on the shards
             (diloco's workers step their own copies between rounds).
+        relays_chunks: Whether a node's first shard sums the node's workers' chunks
+            before they cross the network (sync), so ``server_placement="auto"``
+            may start one shard per node instead of one per worker.
         table_copies: With the tables stepped on the shards, whether every worker
             keeps its copy written from the shards' answers (sync: every step waits
             for all workers, so the copies stay equal) or looks the rows it needs
@@ -74,6 +77,7 @@ class ModeSpec:
     sparse_optimizer: SparseOptimizer = "workers"
     tables_on_shards: bool = True
     table_copies: bool = False
+    relays_chunks: bool = False
 
 
 _SUM = ModeSpec(
@@ -85,6 +89,7 @@ _SUM = ModeSpec(
     max_concurrency=SHARD_MAX_CONCURRENCY,
     direct_path=open_direct_path,
     table_copies=True,
+    relays_chunks=True,
 )
 _PARAM = ModeSpec(
     shard_cls=ParamShard,

@@ -9,7 +9,7 @@ the rows its batch touched (coalesced indices and their values); the owner answe
 with the union of the rows every worker touched. Nothing here imports torch: shard
 processes use it.
 
-Sharded tables (``_table_store``) keep ranges (:func:`row_bounds`): their shards
+Sharded tables (``_tables.store``) keep ranges (:func:`row_bounds`): their shards
 initialise and checkpoint the table by blocks of rows.
 """
 

@@ -29,8 +29,8 @@ from torch.optim.optimizer import (
 from ray_ps_plugin._client import ClientBase, ClientSetup
 from ray_ps_plugin._metrics import WorkerMetrics
 from ray_ps_plugin._stats import PSStats
-from ray_ps_plugin._table_checkpoint import load_tables, save_tables
-from ray_ps_plugin._table_client import ShardedTables
+from ray_ps_plugin._tables.checkpoint import load_tables, save_tables
+from ray_ps_plugin._tables.client import ShardedTables
 from ray_ps_plugin._torch_compat import ddp_ignored
 from ray_ps_plugin._transport import Transport
 from ray_ps_plugin._types import Mode, RunSettings
@@ -257,7 +257,7 @@ def client_setup(module: torch.nn.Module, info: RunInfo) -> ClientSetup:
         model_id=len(_CLIENTS),
         module=module,
         # A sharded table's weight stays on the meta device: its rows are the
-        # shards' (see _table_client), not the client's; neither are the weights
+        # shards' (see _tables.client), not the client's; neither are the weights
         # DDP leaves alone (tables stepped on the shards, and the user's own).
         params=tuple(
             p

@@ -13,17 +13,12 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
-
-import numpy as np
 
 from ray_ps_plugin._dtypes import MODEL_DTYPES
 from ray_ps_plugin._errors import ShardProtocolError
 from ray_ps_plugin._metrics import ShardMetrics
-from ray_ps_plugin._shm import SegmentHandle
-from ray_ps_plugin._table_optim import TableOptimizer
-from ray_ps_plugin._table_store import PushAnswer, PushEntry, TableSpec, TableStore
 
 __all__ = ["MAX_MODELS", "ShardBase"]
 
@@ -53,7 +48,6 @@ class ShardBase:
         self._duplicates = 0
         self._started = time.time()
         self._metrics: ShardMetrics | None = None
-        self._tables = TableStore(shard_index, num_workers, timeout_s)
 
     def ready(self) -> dict[str, Any]:
         """Answers once the actor is up; tells where it runs; starts its metrics."""
@@ -104,8 +98,7 @@ class ShardBase:
                 self._metrics.leave()
 
     def stats(self) -> dict[str, Any]:
-        """Counters since start: bytes in/out, pushes, duplicate pushes ignored, and
-        the bytes of sharded tables held."""
+        """Counters since start: bytes in/out, pushes, duplicate pushes ignored."""
         return {
             "shard": self.shard_index,
             "bytes_in": self._bytes_in,
@@ -113,67 +106,4 @@ class ShardBase:
             "pushes": self._pushes,
             "duplicates": self._duplicates,
             "uptime_s": time.time() - self._started,
-            **self._tables.sizes(),
         }
-
-    # --- sharded tables (every mode but diloco; see _table_store) ---------------------
-    def table_create(
-        self, model: int, table: int, spec: TableSpec, num_shards: int, shared: bool = False
-    ) -> tuple[int, int, SegmentHandle | None]:
-        """Materialises this shard's rows of a table; returns their range and, with
-        ``shared``, the segment workers of this node read them from."""
-        self._check(model, None)
-        lo, hi = self._tables.create(model, table, spec, num_shards, shared)
-        return lo, hi, self._tables.segment(model, table)
-
-    async def table_pull(
-        self, model: int, table: int, rank: int, clock: int, ids: np.ndarray
-    ) -> np.ndarray:
-        self._check(model, rank)
-        with self._queued():
-            rows = await self._tables.pull(model, table, rank, clock, ids)
-        self._bytes_in += ids.nbytes
-        self._bytes_out += rows.nbytes
-        return rows
-
-    async def table_push(
-        self, model: int, rank: int, entries: Sequence[PushEntry]
-    ) -> list[PushAnswer]:
-        """One worker's optimizer step on every sharded table of a model it holds
-        rows of here (see ``TableStore.push_many``)."""
-        self._check(model, rank)
-        self._bytes_in += sum(e[2].nbytes + e[3].nbytes for e in entries)
-        self._pushes += 1
-        with self._queued():
-            answers = await self._tables.push_many(model, rank, entries)
-        self._bytes_out += sum(ids.nbytes + rows.nbytes for _, ids, rows in answers)
-        return answers
-
-    async def table_finish(self, model: int, rank: int) -> None:
-        self._check(model, rank)
-        await self._tables.finish(model, rank)
-
-    def table_read(self, model: int, table: int, lo: int, hi: int) -> dict[str, Any]:
-        self._check(model, None)
-        return self._tables.read(model, table, lo, hi)
-
-    def table_write(
-        self,
-        model: int,
-        table: int,
-        lo: int,
-        weight: np.ndarray,
-        state: dict[str, np.ndarray],
-        optimizer: TableOptimizer | None,
-        steps: int | None,
-    ) -> None:
-        self._check(model, None)
-        self._tables.write(model, table, lo, weight, state, optimizer, steps)
-
-    async def table_loaded(self, model: int, generation: int) -> None:
-        self._check(model, None)
-        await self._tables.loaded(model, generation)
-
-    async def table_wait_loaded(self, model: int, generation: int) -> None:
-        self._check(model, None)
-        await self._tables.wait_loaded(model, generation)

@@ -30,11 +30,11 @@ def sparse_params(module: torch.nn.Module) -> list[torch.Tensor]:
     for m in module.modules():
         if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse:
             for p in m.parameters(recurse=False):
-                # A table on the meta device lives on the shards (_table_client).
+                # A table on the meta device lives on the shards (_tables.client).
                 if p.requires_grad and not p.is_meta:
                     found[id(p)] = p
     # What DDP leaves alone is not synchronised here either (tables stepped on the
-    # shards: _table_client).
+    # shards: _tables.client).
     ignored = ddp_ignored(module)
     return [p for n, p in module.named_parameters() if id(p) in found and n not in ignored]
 

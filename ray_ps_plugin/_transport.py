@@ -50,7 +50,7 @@ Handle = concurrent.futures.Future
 
 
 class DirectPath(Protocol):
-    """The sync mode's TCP path from a worker to the shards (``_sync.wire.WireStreams``).
+    """The sync mode's TCP path from a worker to the shards (``_wire.path.WireStreams``).
 
     Pushes return :data:`Handle` objects, waited for like Ray calls.
     """

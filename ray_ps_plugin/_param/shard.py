@@ -31,8 +31,8 @@ import torch
 from ray_ps_plugin._codec import Codec, as_torch
 from ray_ps_plugin._dtypes import model_dtype, storage
 from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
-from ray_ps_plugin._shard import ShardBase
 from ray_ps_plugin._shm import Segment, SegmentHandle
+from ray_ps_plugin._tables.host import TableHost
 from ray_ps_plugin._types import Compression
 
 __all__ = ["ParamShard", "Reply"]
@@ -75,7 +75,7 @@ class _ParamState:
         return min(active) if active else max(self.clocks)
 
 
-class ParamShard(ShardBase):
+class ParamShard(TableHost):
     """Owns one slice of each model's parameters; applies the workers' updates serially.
 
     Args:

@@ -20,7 +20,7 @@ import numpy as np
 from ray_ps_plugin._codec import Codec
 from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
 from ray_ps_plugin._rows import RowEntry, pack, sum_rows
-from ray_ps_plugin._sync.wire import await_answer, relay_failure
+from ray_ps_plugin._wire.path import await_answer, relay_failure
 
 __all__ = ["Forward", "RowRelay"]
 

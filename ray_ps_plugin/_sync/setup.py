@@ -10,10 +10,10 @@ import secrets
 from collections.abc import Sequence
 from typing import Any
 
-from ray_ps_plugin._sync.frames import TOKEN_BYTES
 from ray_ps_plugin._sync.topology import Topology
-from ray_ps_plugin._sync.wire import WireStreams
 from ray_ps_plugin._types import RunSettings
+from ray_ps_plugin._wire.frames import TOKEN_BYTES
+from ray_ps_plugin._wire.path import WireStreams
 
 __all__ = ["connect_shards", "open_direct_path"]
 

@@ -10,7 +10,7 @@ on the shard (:mod:`ray_ps_plugin._sync.sums`, keyed by the model's id), so two
 models with equal shapes never mix their sums.
 
 Across nodes (see :mod:`ray_ps_plugin._sync.topology`) a shard also listens on a
-direct TCP data path (:mod:`ray_ps_plugin._sync.wire`) and, if it is its node's
+direct TCP data path (:mod:`ray_ps_plugin._wire.path`) and, if it is its node's
 relay, first sums its node's workers' chunks for other nodes' shards and sends one
 partial sum per chunk to the owner; likewise their sparse rows, one message per owner
 and step (:mod:`ray_ps_plugin._sync.row_relay`).
@@ -27,23 +27,20 @@ from ray_ps_plugin._codec import Codec
 from ray_ps_plugin._dtypes import BF16_BITS, bf16_to_f32
 from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
 from ray_ps_plugin._rows import RowEntry, RowSums, pack, unpack
-from ray_ps_plugin._shard import ShardBase
 from ray_ps_plugin._shm import SegmentHandle
-from ray_ps_plugin._sync.frames import (
+from ray_ps_plugin._sync.row_relay import RowRelay
+from ray_ps_plugin._sync.sums import ChunkSums, Slot
+from ray_ps_plugin._sync.topology import Topology
+from ray_ps_plugin._tables.host import TableHost
+from ray_ps_plugin._types import Compression
+from ray_ps_plugin._wire.frames import (
     LOCAL,
     ROWS,
-    TABLE_PULL,
-    TABLE_PUSH,
     Frame,
     rows_owner,
     unpack_local,
 )
-from ray_ps_plugin._sync.row_relay import RowRelay
-from ray_ps_plugin._sync.sums import ChunkSums, Slot
-from ray_ps_plugin._sync.topology import Topology
-from ray_ps_plugin._sync.wire import WireServer, WireStreams, await_answer, relay_failure
-from ray_ps_plugin._table_frames import pack_push_answer, unpack_pull, unpack_push
-from ray_ps_plugin._types import Compression
+from ray_ps_plugin._wire.path import WireServer, WireStreams, await_answer, relay_failure
 
 __all__ = ["SumShard"]
 
@@ -51,7 +48,7 @@ __all__ = ["SumShard"]
 _NO_DATA = np.empty(0, np.uint8)
 
 
-class SumShard(ShardBase):
+class SumShard(TableHost):
     """Sums one shard's gradient chunks across workers (sync mode).
 
     Args:
@@ -130,13 +127,9 @@ class SumShard(ShardBase):
                 return await self._relay_rows(frame, owner, entries)
             answers = await self.push_rows(frame.model, frame.step, frame.source, entries)
             return pack([(e[0], e[1], r, v, e[4]) for e, (r, v) in zip(entries, answers)])
-        if frame.kind == TABLE_PULL:
-            table, clock, ids = unpack_pull(payload)
-            rows = await self.table_pull(frame.model, table, frame.source, clock, ids)
-            return np.ascontiguousarray(rows, np.float32).view(np.uint8).reshape(-1)
-        if frame.kind == TABLE_PUSH:
-            pushed = await self.table_push(frame.model, frame.source, unpack_push(payload))
-            return pack_push_answer(pushed)
+        answer = await self.table_frame(frame, payload)
+        if answer is not None:
+            return answer
         if frame.kind == LOCAL:
             chunks = unpack_local(payload)
             await self.push_local(frame.model, frame.step, frame.source, frame.dtype, chunks)

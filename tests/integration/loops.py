@@ -185,9 +185,9 @@ def wait_until(pred, timeout_s: float = 20.0) -> bool:
 
 # --- failure injection in the backend -------------------------------------------
 from ray_ps_plugin import PSConfig
+from ray_ps_plugin._backend import PSBackend
 from ray_ps_plugin._param.diloco_shard import DilocoShard
 from ray_ps_plugin._param.shard import ParamShard
-from ray_ps_plugin.config import PSBackend
 
 
 class _FailAfterServersBackend(PSBackend):

@@ -3,7 +3,7 @@
 The same loop runs with the tables sharded (``meta=True``: the layers are built on
 the meta device and live on the shards) and, as the reference, replicated under
 DDP (``meta=False``: real tables holding the values the shards initialise, from
-``_table_store.init_rows`` with the same seed).
+``_tables.store.init_rows`` with the same seed).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ray_ps_plugin import get_ps_context
-from ray_ps_plugin._table_store import TableSpec, init_rows
+from ray_ps_plugin._tables.store import TableSpec, init_rows
 
 ROWS = (500, 60)  # the bag table's and the padded table's rows
 DIM = 8

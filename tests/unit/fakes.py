@@ -10,7 +10,8 @@ import torch
 
 from ray_ps_plugin._client import ClientSetup
 from ray_ps_plugin._param.shard import ParamShard, Reply
-from ray_ps_plugin._sync.frames import (
+from ray_ps_plugin._transport import wait_handles
+from ray_ps_plugin._wire.frames import (
     LOCAL,
     PUSH,
     ROWS,
@@ -22,8 +23,7 @@ from ray_ps_plugin._sync.frames import (
     pack_local,
     relayed_rows_key,
 )
-from ray_ps_plugin._sync.wire import RemoteError
-from ray_ps_plugin._transport import wait_handles
+from ray_ps_plugin._wire.path import RemoteError
 
 
 class LoopThread:

@@ -9,9 +9,9 @@ import torch
 
 from ray_ps_plugin._errors import PSError, PSTimeoutError
 from ray_ps_plugin._sync.client import SumClient
-from ray_ps_plugin._sync.frames import LOCAL, PUSH
 from ray_ps_plugin._sync.shard import SumShard
 from ray_ps_plugin._sync.topology import Topology
+from ray_ps_plugin._wire.frames import LOCAL, PUSH
 from tests.unit.fakes import (
     FakeBucket,
     FakeDirect,

@@ -7,7 +7,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.torch.config import TorchConfigContextManager, _TorchBackend
 
 from ray_ps_plugin import PSConfig, PSTrainer
-from ray_ps_plugin.config import PSBackend
+from ray_ps_plugin._backend import PSBackend
 
 
 def test_defaults_are_sync_ps_and_a_torch_config():
@@ -103,7 +103,7 @@ def test_compression_and_server_placement_are_validated():
 def test_auto_placement_is_one_shard_per_node_only_where_nodes_relay():
     from types import SimpleNamespace
 
-    from ray_ps_plugin.config import _per_node
+    from ray_ps_plugin._backend import _per_node
 
     def group(*nodes):
         workers = [SimpleNamespace(metadata=SimpleNamespace(node_id=n)) for n in nodes]

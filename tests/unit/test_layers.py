@@ -15,28 +15,25 @@ import pytest
 import ray_ps_plugin
 
 ROOT = Path(ray_ps_plugin.__file__).parent
-PUBLIC, DDP, RUN, MODES, PIECES, LEAVES = 5, 4, 3, 2, 1, 0
+PUBLIC, DDP, RUN, MODES, TABLES, PIECES, LEAVES = 6, 5, 4, 3, 2, 1, 0
 LAYER_OF = {
     "config": PUBLIC,
     "trainer": PUBLIC,
     "tune": PUBLIC,
     "_ddp": DDP,
+    "_backend": DDP,
     "_modes": RUN,
     "_runtime": RUN,
     "_sync": MODES,
     "_param": MODES,
+    "_tables": TABLES,
     "_client": PIECES,
     "_shard": PIECES,
     "_transport": PIECES,
     "_codec": PIECES,
     "_sparse": PIECES,
     "_rows": PIECES,
-    "_table_store": PIECES,
-    "_table_frames": PIECES,
-    "_table_optim": PIECES,
-    "_table_checkpoint": PIECES,
-    "_table_client": PIECES,
-    "_table_layers": PIECES,
+    "_wire": PIECES,
     "_nonfinite": PIECES,
     "_metrics": PIECES,
     "_types": LEAVES,

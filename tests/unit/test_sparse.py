@@ -12,8 +12,8 @@ from ray_ps_plugin._errors import PSError, ShardProtocolError, ShardTimeoutError
 from ray_ps_plugin._rows import RowSums, row_bounds, sum_rows
 from ray_ps_plugin._sparse import sparse_params
 from ray_ps_plugin._sync.client import SumClient
-from ray_ps_plugin._sync.frames import ROWS as ROWS_FRAME
 from ray_ps_plugin._sync.shard import SumShard
+from ray_ps_plugin._wire.frames import ROWS as ROWS_FRAME
 from tests.unit.fakes import (
     FakeBucket,
     FakeDirect,
@@ -321,8 +321,8 @@ def test_a_nodes_rows_for_other_nodes_go_through_its_relay_once(loop, compressio
 
 def test_a_relay_refuses_rows_of_workers_it_does_not_relay_for(loop):
     from ray_ps_plugin._rows import pack
-    from ray_ps_plugin._sync.frames import Frame, relayed_rows_key
     from ray_ps_plugin._sync.topology import Topology
+    from ray_ps_plugin._wire.frames import Frame, relayed_rows_key
 
     topo = Topology(worker_nodes=(0, 0, 1, 1), shard_nodes=(0, 1))  # no path: no relays
     shard = SumShard(0, 4, 1.0, None)

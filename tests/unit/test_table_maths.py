@@ -16,11 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from ray_ps_plugin import _table_optim
 from ray_ps_plugin._param.shard import ParamShard
-from ray_ps_plugin._table_client import ShardedTables
-from ray_ps_plugin._table_layers import optimizer_step_spec, sparse_add_rounds_once
-from ray_ps_plugin._table_optim import apply_step, fused_axpy, new_state
+from ray_ps_plugin._tables import optim as _table_optim
+from ray_ps_plugin._tables.client import ShardedTables
+from ray_ps_plugin._tables.layers import optimizer_step_spec, sparse_add_rounds_once
+from ray_ps_plugin._tables.optim import apply_step, fused_axpy, new_state
 from tests.unit.fakes import LoopThread, Settings
 from tests.unit.test_tables import _TableTransport
 

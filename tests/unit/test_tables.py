@@ -11,15 +11,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ray_ps_plugin import _table_client, _table_store, _torch_compat
+from ray_ps_plugin import _torch_compat
 from ray_ps_plugin._errors import PSError, ShardProtocolError, ShardTimeoutError
 from ray_ps_plugin._param.shard import ParamShard
 from ray_ps_plugin._rows import row_bounds
-from ray_ps_plugin._sync.frames import TABLE_PULL, TABLE_PUSH
 from ray_ps_plugin._sync.shard import SumShard
-from ray_ps_plugin._table_checkpoint import load_tables, save_tables
-from ray_ps_plugin._table_client import ShardedTables
-from ray_ps_plugin._table_frames import (
+from ray_ps_plugin._tables import client as _table_client
+from ray_ps_plugin._tables import store as _table_store
+from ray_ps_plugin._tables.checkpoint import load_tables, save_tables
+from ray_ps_plugin._tables.client import ShardedTables
+from ray_ps_plugin._tables.frames import (
     pack_pull,
     pack_push,
     pack_push_answer,
@@ -27,13 +28,14 @@ from ray_ps_plugin._table_frames import (
     unpack_push,
     unpack_push_answer,
 )
-from ray_ps_plugin._table_layers import (
+from ray_ps_plugin._tables.layers import (
     check_tables,
     optimizer_step_spec,
     replica_table_names,
     skipped_in_apply,
 )
-from ray_ps_plugin._table_store import TableSpec, TableStore, init_rows
+from ray_ps_plugin._tables.store import TableSpec, TableStore, init_rows
+from ray_ps_plugin._wire.frames import TABLE_PULL, TABLE_PUSH
 from tests.unit.fakes import FakeDirect, FakeTransport, LoopThread, Settings, _copy
 
 SGD_1 = {"lr": 1.0, "maximize": 0.0}

@@ -20,8 +20,12 @@ def _format_bytes(n: float) -> str:
     return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: build a bed, run one command in it, tear it down."""
+# Signals that end the command and tear the bed down.
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command line's flags and their defaults."""
     p = argparse.ArgumentParser(
         description="Run a command against Ray nodes in network namespaces joined by "
         "rate-limited links (root only).",
@@ -48,6 +52,57 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="only delete namespaces left by dead beds, then exit",
     )
     p.add_argument("command", nargs=argparse.REMAINDER)
+    return p
+
+
+def _interrupt(signum: int, _frame: Any) -> None:
+    """Signal handler: unwinds like Ctrl-C."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _run(bed: NetBed, shape: LinkShape, args: argparse.Namespace, cmd: list[str]) -> int:
+    """Starts the bed, runs ``cmd`` in it and prints what each node's link carried.
+
+    Args:
+        bed: The bed, not started yet.
+        shape: Its links' shape.
+        args: The command line.
+        cmd: The command to run in the head's namespace.
+
+    Returns:
+        The command's exit status.
+    """
+    t0 = time.monotonic()
+    bed.start()
+    print(
+        f"netbed {bed.name}: {args.nodes} node(s) x {args.cpus_per_node} CPU, links "
+        f"{shape.rate} delay {shape.delay} loss {shape.loss}%, head {bed.address} "
+        f"(up in {time.monotonic() - t0:.1f} s)",
+        file=sys.stderr,
+        flush=True,
+    )
+    if args.probe and args.nodes > 1:
+        print(
+            f"netbed: probe node 1 -> node 0: {bed.probe(1, 0) / 1e6:.0f} Mbit/s",
+            file=sys.stderr,
+            flush=True,
+        )
+    before = [bed.link_bytes(i) for i in range(args.nodes)]
+    rc = bed.run(cmd, timeout=args.timeout).returncode
+    after = [bed.link_bytes(i) for i in range(args.nodes)]
+    for i, (b, a) in enumerate(zip(before, after, strict=True)):
+        print(
+            f"netbed: node {i} link during the command: sent "
+            f"{_format_bytes(a['tx'] - b['tx'])}, received "
+            f"{_format_bytes(a['rx'] - b['rx'])}",
+            file=sys.stderr,
+        )
+    return rc
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: build a bed, run one command in it, tear it down."""
+    p = _parser()
     args = p.parse_args(argv)
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
 
@@ -63,12 +118,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("give the command to run after --")
 
     # SIGTERM and SIGHUP unwind like Ctrl-C, so the finally below always tears down.
-    def _interrupt(signum: int, _frame: Any) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
     # SIGINT too: a shell starts background jobs with SIGINT ignored, and Python then
     # keeps ignoring it.
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    for sig in _SIGNALS:
         signal.signal(sig, _interrupt)
 
     shape = LinkShape(rate=args.rate, delay=args.delay, loss=args.loss, queue=args.queue)
@@ -82,31 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     rc = 1
     try:
-        t0 = time.monotonic()
-        bed.start()
-        print(
-            f"netbed {bed.name}: {args.nodes} node(s) x {args.cpus_per_node} CPU, links "
-            f"{shape.rate} delay {shape.delay} loss {shape.loss}%, head {bed.address} "
-            f"(up in {time.monotonic() - t0:.1f} s)",
-            file=sys.stderr,
-            flush=True,
-        )
-        if args.probe and args.nodes > 1:
-            print(
-                f"netbed: probe node 1 -> node 0: {bed.probe(1, 0) / 1e6:.0f} Mbit/s",
-                file=sys.stderr,
-                flush=True,
-            )
-        before = [bed.link_bytes(i) for i in range(args.nodes)]
-        rc = bed.run(cmd, timeout=args.timeout).returncode
-        after = [bed.link_bytes(i) for i in range(args.nodes)]
-        for i, (b, a) in enumerate(zip(before, after, strict=True)):
-            print(
-                f"netbed: node {i} link during the command: sent "
-                f"{_format_bytes(a['tx'] - b['tx'])}, received "
-                f"{_format_bytes(a['rx'] - b['rx'])}",
-                file=sys.stderr,
-            )
+        rc = _run(bed, shape, args, cmd)
     except KeyboardInterrupt:
         print("netbed: interrupted, tearing down", file=sys.stderr)
         rc = 130
@@ -115,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rc = 1
     finally:
         # A second Ctrl-C must not leave namespaces behind.
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        for sig in _SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
         bed.stop()
     return rc

@@ -2,7 +2,7 @@
 
 An ``nn.Embedding`` or ``nn.EmbeddingBag`` built with ``sparse=True`` on the meta
 device (TorchRec's idiom for a table too large for one process) is materialised on
-the shards only (:mod:`ray_ps_plugin._table_store`). ``prepare_model`` keeps its
+the shards only (:mod:`ray_ps_plugin._tables.store`). ``prepare_model`` keeps its
 weight out of DDP and out of ``.to()``, and gives the layer a forward that:
 
 1. takes the batch's unique ids and pulls only those rows from the shards that own
@@ -55,8 +55,8 @@ import torch.nn.functional as F
 from ray_ps_plugin._errors import PSError
 from ray_ps_plugin._rows import row_bounds
 from ray_ps_plugin._shm import Segment, SegmentHandle
-from ray_ps_plugin._table_frames import pack_pull, pack_push, unpack_push_answer
-from ray_ps_plugin._table_layers import (
+from ray_ps_plugin._tables.frames import pack_pull, pack_push, unpack_push_answer
+from ray_ps_plugin._tables.layers import (
     Layer,
     is_sharded,
     meta_tables,
@@ -64,8 +64,8 @@ from ray_ps_plugin._table_layers import (
     replica_tables,
     sparse_add_rounds_once,
 )
-from ray_ps_plugin._table_optim import STATE_NAMES, TableOptimizer
-from ray_ps_plugin._table_store import PushEntry, TableSpec
+from ray_ps_plugin._tables.optim import STATE_NAMES, TableOptimizer
+from ray_ps_plugin._tables.store import PushEntry, TableSpec
 from ray_ps_plugin._torch_compat import version_counter
 from ray_ps_plugin._transport import Handle, Transport, wait_all
 from ray_ps_plugin._types import RunSettings, staleness_bound

@@ -42,7 +42,7 @@ from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
 from ray_ps_plugin._rows import row_bounds, sum_rows
 from ray_ps_plugin._shm import Segment, SegmentHandle
 from ray_ps_plugin._shm import available as shm_available
-from ray_ps_plugin._table_optim import TableOptimizer, apply_step, new_state
+from ray_ps_plugin._tables.optim import TableOptimizer, apply_step, new_state
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Through Ray's object store every cross-node chunk is an object that is created,
 sealed, located, pulled by the object managers and read back: several round trips
 and copies per chunk, which cost more than the bytes on a 1 Gbit/s link. Here a
-chunk is one frame (:mod:`ray_ps_plugin._sync.frames`) on a long-lived TCP
+chunk is one frame (:mod:`ray_ps_plugin._wire.frames`) on a long-lived TCP
 connection from the pusher (a worker, or a node's relay shard) to the owner shard: a
 fixed header, then the chunk's bytes, sent straight from the gradient buffer
 (``sendall`` on a memoryview) and received straight into a fresh array
@@ -38,7 +38,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import numpy as np
 
 from ray_ps_plugin._errors import ShardLinkError, ShardProtocolError, ShardTimeoutError
-from ray_ps_plugin._sync.frames import (
+from ray_ps_plugin._wire.frames import (
     ANSWER,
     ERROR,
     HEADER_BYTES,
@@ -411,14 +411,14 @@ class WireStreams:
         self, shard: int, model: int, source: int, payload: np.ndarray
     ) -> concurrent.futures.Future[np.ndarray]:
         """Asks a shard for a sharded table's rows (packed by
-        :func:`ray_ps_plugin._table_frames.pack_pull`); the future holds them."""
+        :func:`ray_ps_plugin._tables.frames.pack_pull`); the future holds them."""
         return self._table_frame(shard, TABLE_PULL, model, source, payload)
 
     def table_push(
         self, shard: int, model: int, source: int, payload: np.ndarray
     ) -> concurrent.futures.Future[np.ndarray]:
         """Sends a shard one optimizer step on a model's sharded tables (packed by
-        :func:`ray_ps_plugin._table_frames.pack_push`); the future holds the answer."""
+        :func:`ray_ps_plugin._tables.frames.pack_push`); the future holds the answer."""
         return self._table_frame(shard, TABLE_PUSH, model, source, payload)
 
     def _table_frame(

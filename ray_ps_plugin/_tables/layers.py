@@ -1,7 +1,7 @@
 """Which layers are tables trained on the shards, and what they and their optimizers may be.
 
 A sharded table is an ``nn.Embedding`` or ``nn.EmbeddingBag`` whose weight is on the
-meta device (see :mod:`ray_ps_plugin._table_client`). A replica table is one with
+meta device (see :mod:`ray_ps_plugin._tables.client`). A replica table is one with
 sparse gradients on a real device under ``PSConfig(sparse_optimizer="shards")``:
 every worker holds it, the shards step it. This module finds both, keeps a sharded
 table's weight out of ``Module.to()``, and refuses, with the fix, the layers and
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ray_ps_plugin._table_optim import TableOptimizer
+from ray_ps_plugin._tables.optim import TableOptimizer
 from ray_ps_plugin._types import Mode
 
 __all__ = [

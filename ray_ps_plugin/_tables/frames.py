@@ -3,7 +3,7 @@
 Through Ray a pull or a push of a sharded table's rows is an actor call whose
 arguments and reply go through the object store once they pass about 100 KiB:
 across nodes the rows of a batch cost an object's creation, location and transfer
-each way. On the sync mode's direct TCP path (:mod:`ray_ps_plugin._sync.wire`) they
+each way. On the sync mode's direct TCP path (:mod:`ray_ps_plugin._wire.path`) they
 are one frame each way instead. These functions give both ends the same layout;
 NumPy only, as the shard processes are.
 
@@ -31,8 +31,8 @@ import numpy as np
 
 from ray_ps_plugin._errors import ShardProtocolError
 from ray_ps_plugin._rows import ByteReader
-from ray_ps_plugin._table_optim import OPTIMIZERS
-from ray_ps_plugin._table_store import PushAnswer, PushEntry
+from ray_ps_plugin._tables.optim import OPTIMIZERS
+from ray_ps_plugin._tables.store import PushAnswer, PushEntry
 
 __all__ = [
     "pack_pull",

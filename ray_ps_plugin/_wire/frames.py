@@ -1,4 +1,4 @@
-"""What travels on the direct data path (:mod:`ray_ps_plugin._sync.wire`): the frame
+"""What travels on the direct data path (:mod:`ray_ps_plugin._wire.path`): the frame
 format, the run's token, and the blocking helpers both ends read and write frames with.
 
 Frames (little-endian)::
@@ -11,7 +11,7 @@ a *local push*: a worker's notice to a shard of its own node that chunks already
 in their shared-memory segment (the payload lists ``(key, numel, owner)`` of each as
 ``int64`` triples, owner ``-1`` for the shard itself; ``key`` is the first chunk's;
 the answer carries no data), or a sharded table's *pull* or *push*
-(``ray_ps_plugin._table_frames``; ``step`` is then the pusher's sequence number and
+(``ray_ps_plugin._tables.frames``; ``step`` is then the pusher's sequence number and
 ``key`` :data:`TABLE_KEY`). As a Ray call, each such notice and its reply sit at
 the ends of every step's transfer, where a loaded machine pays more for them than
 for a frame on a socket already open. A push is matched to its answer by
@@ -103,7 +103,7 @@ class Frame:
         kind: ``PUSH``, ``ANSWER``, ``ERROR``, ``LOCAL``, ``ROWS`` (the touched
             rows of a model's sparse tables, packed by :func:`ray_ps_plugin._rows.pack`),
             ``TABLE_PULL`` or ``TABLE_PUSH`` (a sharded table's rows, see
-            :mod:`ray_ps_plugin._table_frames`).
+            :mod:`ray_ps_plugin._tables.frames`).
         dtype: The model's dtype (an entry of :data:`DTYPES`).
         model: The prepared model's id.
         step: The synchronisation round.

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ray_ps_plugin._table_client import ShardedTables, Table
+from ray_ps_plugin._tables.client import ShardedTables, Table
 
 __all__ = ["load_tables", "save_tables"]
 
