@@ -59,6 +59,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "ps_sync_shard_opt": {"mode": "sync", "sparse_optimizer": "shards"},
     # The default in async and ssp: rows looked up on the shards, stepped there.
     "ps_async": {"mode": "async"},
+    # The same, its rows' pulls and pushes as Ray calls instead of frames.
+    "ps_async_ray_calls": {"mode": "async", "data_path": "object_store"},
     # Async with the tables as plain parameters: their whole change pushed each step.
     "ps_async_workers": {"mode": "async", "sparse_optimizer": "workers"},
     "ps_ssp": {"mode": "ssp", "staleness": 4},

@@ -228,7 +228,8 @@ def plot(results: tune.ResultGrid, path: str) -> None:
     plt.close(fig)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
+    """Parses the command line."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -274,30 +275,43 @@ def main() -> None:
         "--storage", default=None, help="Tune storage_path (default: Ray's, ~/ray_results)"
     )
     parser.add_argument("--plot", default="tune_sweep.png", help="where to save the PNG")
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    pairs = strategy_mode_pairs(
-        args.strategies.split(","),
-        args.modes.split(","),
-        args.staleness,
-        [int(v) for v in args.local_steps.split(",")],
-        [float(v) for v in args.outer_lrs.split(",")],
-    )
-    lrs = [float(v) for v in args.lrs.split(",")]
 
-    ray.init(log_to_driver=False)
+def trials_at_once(args: argparse.Namespace) -> tuple[int, float]:
+    """How many trials run at once on the connected cluster.
+
+    Returns:
+        ``--max-concurrent`` (else as many as its CPUs hold whole), and the CPUs
+        one trial holds.
+    """
     # A trial holds its driver's CPUs and, once its run starts, all its workers' CPUs;
     # the PS shards hold none (num_cpus=0 inside the workers' bundles). Admit only as
     # many trials as fit whole, or drivers could hold CPUs their own workers wait for.
     per_trial = args.driver_cpus + args.workers * args.cpus_per_worker
     fit_whole = max(1, math.floor(ray.cluster_resources()["CPU"] / per_trial))
-    max_concurrent = args.max_concurrent or fit_whole
+    return args.max_concurrent or fit_whole, per_trial
 
+
+def build_tuner(
+    args: argparse.Namespace, pairs: list[dict[str, Any]], lrs: list[float], max_concurrent: int
+) -> tune.Tuner:
+    """The Tuner: a grid over (strategy, mode) pairs and learning rates.
+
+    Args:
+        args: The command line.
+        pairs: The trials' ps_configs.
+        lrs: The learning rates.
+        max_concurrent: Trials at once.
+
+    Returns:
+        The Tuner, not run yet.
+    """
     trainable = make_trainable(
         train_loop,
         ScalingConfig(num_workers=args.workers, resources_per_worker={"CPU": args.cpus_per_worker}),
     )
-    tuner = tune.Tuner(
+    return tune.Tuner(
         tune.with_resources(trainable, {"CPU": args.driver_cpus}),
         param_space={
             "ps_config": tune.grid_search(pairs),
@@ -313,12 +327,10 @@ def main() -> None:
             name=f"tune_sweep_{args.model}", storage_path=args.storage, verbose=0
         ),
     )
-    n = len(pairs) * len(lrs)
-    print(f"{n} trials ({args.model}), {max_concurrent} at a time, {per_trial:g} CPUs each ...")
-    t0 = time.perf_counter()
-    results = tuner.fit()
-    wall = time.perf_counter() - t0
 
+
+def ranked_rows(results: tune.ResultGrid) -> list[dict[str, Any]]:
+    """The finished trials, best accuracy first (then fastest); prints the failed ones."""
     rows = []
     for r in results:
         if r.error:
@@ -334,7 +346,31 @@ def main() -> None:
             }
         )
     rows.sort(key=lambda row: (-row["accuracy"], row["train_s"]))
-    print_table(rows)
+    return rows
+
+
+def main() -> None:
+    """Runs the sweep, prints the ranked table and saves the plot."""
+    args = parse_args()
+    pairs = strategy_mode_pairs(
+        args.strategies.split(","),
+        args.modes.split(","),
+        args.staleness,
+        [int(v) for v in args.local_steps.split(",")],
+        [float(v) for v in args.outer_lrs.split(",")],
+    )
+    lrs = [float(v) for v in args.lrs.split(",")]
+
+    ray.init(log_to_driver=False)
+    max_concurrent, per_trial = trials_at_once(args)
+    tuner = build_tuner(args, pairs, lrs, max_concurrent)
+    n = len(pairs) * len(lrs)
+    print(f"{n} trials ({args.model}), {max_concurrent} at a time, {per_trial:g} CPUs each ...")
+    t0 = time.perf_counter()
+    results = tuner.fit()
+    wall = time.perf_counter() - t0
+
+    print_table(ranked_rows(results))
     plot(results, args.plot)
     print(f"\nSweep took {wall:.0f}s. Plot: {os.path.abspath(args.plot)}")
     print(f"Train runs and checkpoints: {results.experiment_path}")

@@ -16,9 +16,13 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
+
 from ray_ps_plugin._dtypes import MODEL_DTYPES
 from ray_ps_plugin._errors import ShardProtocolError
 from ray_ps_plugin._metrics import ShardMetrics
+from ray_ps_plugin._wire.frames import Frame
+from ray_ps_plugin._wire.path import WireServer
 
 __all__ = ["MAX_MODELS", "ShardBase"]
 
@@ -48,6 +52,8 @@ class ShardBase:
         self._duplicates = 0
         self._started = time.time()
         self._metrics: ShardMetrics | None = None
+        self._wire_server: WireServer | None = None
+        self._address: tuple[str, int] | None = None
 
     def ready(self) -> dict[str, Any]:
         """Answers once the actor is up; tells where it runs; starts its metrics."""
@@ -62,6 +68,33 @@ class ShardBase:
             "node_id": ray.get_runtime_context().get_node_id(),
             "pid": os.getpid(),
         }
+
+    async def open_wire(self, token: bytes, host: str | None = None) -> tuple[str, int]:
+        """Starts listening on the direct path (idempotent); returns its address.
+
+        Args:
+            token: The run's secret every connection must start with.
+            host: Address to listen on; by default the node's address in Ray.
+        """
+        if self._address is None:
+            if host is None:
+                import ray
+
+                host = ray.util.get_node_ip_address()
+            self._wire_server = WireServer(self._on_frame, token, self.timeout_s)
+            self._address = await self._wire_server.start(host)
+        return self._address
+
+    async def _on_frame(self, frame: Frame, payload: np.ndarray) -> np.ndarray:
+        """Answers a frame that came on the direct path (each shard kind handles its
+        own kinds and hands the rest on).
+
+        Raises:
+            ShardProtocolError: For a kind no one handles.
+        """
+        raise ShardProtocolError(
+            f"shard {self.shard_index}: a frame of kind {frame.kind} is not for this shard."
+        )
 
     def _check(self, model: object, rank: object | None, dtype: object = "float32") -> None:
         """Refuses caller-supplied ids a worker of this run cannot send.

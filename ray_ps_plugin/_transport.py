@@ -33,6 +33,7 @@ __all__ = [
     "Lane",
     "RayTransport",
     "Transport",
+    "mapped",
     "open_lanes",
     "wait_all",
     "wait_handles",
@@ -92,6 +93,13 @@ class DirectPath(Protocol):
         """Asks for a sharded table's rows (a packed pull); the future holds them."""
         ...
 
+    def param_local(
+        self, shard: int, model: int, source: int, clock: int, slot: int
+    ) -> Handle[Any]:
+        """Names an async/ssp update left in shared memory; the future holds the
+        packed reply."""
+        ...
+
     def table_push(self, shard: int, model: int, source: int, payload: Any) -> Handle[Any]:
         """Sends a packed step on a model's sharded tables; the future holds the answer."""
         ...
@@ -136,6 +144,24 @@ class Transport(Protocol):
     def close(self) -> None:
         """Releases what the transport holds open (the direct path's connections)."""
         ...
+
+
+def mapped(handle: Handle[Any], fn: Any) -> Handle[Any]:
+    """A handle whose result is ``fn(handle's result)`` (the same error if it fails)."""
+    out: Handle[Any] = concurrent.futures.Future()
+
+    def done(h: Handle[Any]) -> None:
+        error = h.exception()
+        if error is not None:
+            out.set_exception(error)
+            return
+        try:
+            out.set_result(fn(h.result()))
+        except Exception as e:
+            out.set_exception(e)
+
+    handle.add_done_callback(done)
+    return out
 
 
 def wait_handles(handles: Sequence[Handle[Any]], timeout_s: float) -> list[Any]:

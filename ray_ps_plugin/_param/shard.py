@@ -34,6 +34,7 @@ from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
 from ray_ps_plugin._shm import Segment, SegmentHandle
 from ray_ps_plugin._tables.host import TableHost
 from ray_ps_plugin._types import Compression
+from ray_ps_plugin._wire.frames import PARAM_LOCAL, Frame
 
 __all__ = ["ParamShard", "Reply"]
 
@@ -51,6 +52,18 @@ class Reply(NamedTuple):
     params: np.ndarray | None
     clocks: tuple[int, ...]
     slowest: int
+
+    def packed(self) -> np.ndarray:
+        """A reply without parameters as the bytes of a frame: int64 ``slowest``,
+        then the clocks."""
+        assert self.params is None
+        return np.array([self.slowest, *self.clocks], "<i8").view(np.uint8)
+
+    @classmethod
+    def unpack(cls, payload: np.ndarray) -> Reply:
+        """The reply :meth:`packed` wrote."""
+        values = payload.view("<i8").tolist()
+        return cls(None, tuple(values[1:]), values[0])
 
 
 @dataclass
@@ -199,6 +212,15 @@ class ParamShard(TableHost):
                 f"and waited {self.timeout_s:g}s for rank 0 to load it too. Call "
                 "load_state_dict on every worker (or on rank 0 only)."
             ) from None
+
+    async def _on_frame(self, frame: Frame, payload: np.ndarray) -> np.ndarray:
+        """A worker's notice on the direct path that its update of clock ``step``
+        lies in shared memory (else a table's frame)."""
+        if frame.kind != PARAM_LOCAL:
+            return await super()._on_frame(frame, payload)
+        (slot,) = payload.view("<i8").tolist()
+        reply = await self.push_local(frame.model, frame.source, frame.step, slot)
+        return reply.packed()
 
     async def push_local(self, model: int, rank: int, clock: int, slot: int) -> Reply:
         """:meth:`push_pull` for a worker attached through shared memory."""

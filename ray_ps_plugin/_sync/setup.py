@@ -6,14 +6,13 @@ to every worker with the rest of the run's description.
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Sequence
 from typing import Any
 
 from ray_ps_plugin._sync.topology import Topology
 from ray_ps_plugin._types import RunSettings
-from ray_ps_plugin._wire.frames import TOKEN_BYTES
 from ray_ps_plugin._wire.path import WireStreams
+from ray_ps_plugin._wire.setup import Wires, open_streams, open_wires
 
 __all__ = ["connect_shards", "open_direct_path"]
 
@@ -44,41 +43,31 @@ def connect_shards(
 
     order: dict[str, int] = {}
     workers, shards = _index(worker_nodes, order), _index(shard_nodes, order)
+    # Opened on one node too, where only sparse rows use it: a frame on an open
+    # socket costs less than a Ray call and its reply.
+    wires = open_wires(servers, settings)
+    topology = Topology(
+        worker_nodes=workers,
+        shard_nodes=shards,
+        # A relay's partial sum goes out on the direct path: without it, the
+        # extra hop through the object store would cost more than it saves.
+        aggregate=settings.node_aggregation and bool(wires.addresses) and len(order) > 1,
+        addresses=wires.addresses,
+        token=wires.token,
+    )
     timeout = settings.ps_start_timeout_s
-    addresses: tuple[tuple[str, int] | None, ...] = ()
-    token = b""
     try:
-        # Opened on one node too, where only sparse rows use it: a frame on an open
-        # socket costs less than a Ray call and its reply.
-        if settings.data_path == "tcp":
-            token = secrets.token_bytes(TOKEN_BYTES)
-            opened = ray.get([s.open_wire.remote(token) for s in servers], timeout=timeout)
-            addresses = tuple((str(host), int(port)) for host, port in opened)
-        topology = Topology(
-            worker_nodes=workers,
-            shard_nodes=shards,
-            # A relay's partial sum goes out on the direct path: without it, the
-            # extra hop through the object store would cost more than it saves.
-            aggregate=settings.node_aggregation and bool(addresses) and len(order) > 1,
-            addresses=addresses,
-            token=token,
-        )
         ray.get([s.configure.remote(topology) for s in servers], timeout=timeout)
     except ray.exceptions.GetTimeoutError as e:
         raise TimeoutError(
-            f"the parameter-server shards did not open their data paths within "
+            f"the parameter-server shards did not take the run's topology within "
             f"ps_start_timeout_s={timeout:g}s."
         ) from e
     return topology
 
 
 def open_direct_path(settings: RunSettings, topology: Topology | None) -> WireStreams | None:
-    """A worker process's direct path to the shards, when the run has one.
-
-    One per process, shared by every model it prepares: connections (each with a
-    sender and a receiver thread) grow with the shards, not with the models. Each
-    connection opens on its first push.
-    """
-    if topology is None or not topology.addresses:
+    """A worker process's direct path to the shards, when the run has one."""
+    if topology is None:
         return None
-    return WireStreams(topology.addresses, topology.token, settings.ps_start_timeout_s)
+    return open_streams(Wires(topology.addresses, topology.token), settings.ps_start_timeout_s)

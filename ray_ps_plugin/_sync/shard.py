@@ -40,7 +40,7 @@ from ray_ps_plugin._wire.frames import (
     rows_owner,
     unpack_local,
 )
-from ray_ps_plugin._wire.path import WireServer, WireStreams, await_answer, relay_failure
+from ray_ps_plugin._wire.path import WireStreams, await_answer, relay_failure
 
 __all__ = ["SumShard"]
 
@@ -70,27 +70,10 @@ class SumShard(TableHost):
         self._topology: Topology | None = None
         self._own_sources = frozenset(range(num_workers))
         self._relayed: frozenset[int] = frozenset()
-        self._wire_server: WireServer | None = None
         self._relay_streams: WireStreams | None = None
         self._sums = ChunkSums(shard_index, self._codec, self._describe)
         self._rows = RowSums(shard_index, num_workers, timeout_s, self._describe)
         self._row_relay: RowRelay | None = None
-
-    async def open_wire(self, token: bytes, host: str | None = None) -> tuple[str, int]:
-        """Starts listening for pushes on the direct data path; returns its address.
-
-        Args:
-            token: The run's secret every connection must start with.
-            host: Address to listen on; by default the node's address in Ray.
-        """
-        if self._wire_server is None:
-            if host is None:
-                import ray
-
-                host = ray.util.get_node_ip_address()
-            self._wire_server = WireServer(self._on_frame, token, self.timeout_s)
-            self._address = await self._wire_server.start(host)
-        return self._address
 
     async def configure(self, topology: Topology) -> None:
         """Learns the run's topology: which sources complete its chunks, for which

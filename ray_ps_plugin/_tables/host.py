@@ -40,6 +40,10 @@ class TableHost(ShardBase):
         """:meth:`ShardBase.stats` and the bytes of table rows and state held."""
         return {**super().stats(), **self._tables.sizes()}
 
+    async def _on_frame(self, frame: Frame, payload: np.ndarray) -> np.ndarray:
+        answer = await self.table_frame(frame, payload)
+        return answer if answer is not None else await super()._on_frame(frame, payload)
+
     async def table_frame(self, frame: Frame, payload: np.ndarray) -> np.ndarray | None:
         """Answers a table's pull or push that came as a frame (``None``: the frame
         is of another kind)."""

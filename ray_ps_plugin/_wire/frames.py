@@ -43,6 +43,8 @@ __all__ = [
     "ERROR",
     "HEADER_BYTES",
     "LOCAL",
+    "PARAM_KEY",
+    "PARAM_LOCAL",
     "PUSH",
     "REQUESTS",
     "ROWS",
@@ -65,13 +67,16 @@ _HEADER = struct.Struct("<4sBBiqqiq")
 _MAGIC = b"PSW1"
 #: Size of a frame's header.
 HEADER_BYTES = _HEADER.size
-PUSH, ANSWER, ERROR, LOCAL, ROWS, TABLE_PULL, TABLE_PUSH = 0, 1, 2, 3, 4, 5, 6
+PUSH, ANSWER, ERROR, LOCAL, ROWS, TABLE_PULL, TABLE_PUSH, PARAM_LOCAL = 0, 1, 2, 3, 4, 5, 6, 7
 #: The frames a pusher sends (the others are answers).
-REQUESTS = (PUSH, LOCAL, ROWS, TABLE_PULL, TABLE_PUSH)
+REQUESTS = (PUSH, LOCAL, ROWS, TABLE_PULL, TABLE_PUSH, PARAM_LOCAL)
 #: The key of a ``ROWS`` frame: one per model, step and shard (chunk keys are >= 0).
 ROWS_KEY = -1
 #: The key of a table frame, whose ``step`` is a number the pusher never repeats.
 TABLE_KEY = -2
+#: The key of a ``PARAM_LOCAL`` frame (async/ssp: a worker's notice that its update
+#: of clock ``step`` lies in shared memory); far below any relayed rows' key.
+PARAM_KEY = -(1 << 62)
 
 
 def relayed_rows_key(owner: int) -> int:

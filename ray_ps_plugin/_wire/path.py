@@ -43,6 +43,8 @@ from ray_ps_plugin._wire.frames import (
     ERROR,
     HEADER_BYTES,
     LOCAL,
+    PARAM_KEY,
+    PARAM_LOCAL,
     PUSH,
     REQUESTS,
     ROWS,
@@ -387,6 +389,16 @@ class WireStreams:
         no data, once their sums are in the shard's output segment."""
         payload = pack_local(chunks)
         frame = Frame(LOCAL, dtype, model, step, chunks[0][0], source, payload.nbytes)
+        return self._stream(shard).push(frame, payload)
+
+    def param_local(
+        self, shard: int, model: int, source: int, clock: int, slot: int
+    ) -> concurrent.futures.Future[np.ndarray]:
+        """Tells a shard of this node that the source's update of ``clock`` lies in
+        its shared-memory input (as ``ParamShard.push_local`` through Ray); the
+        future holds the packed reply, the parameters being in output ``slot``."""
+        payload = np.array([slot], "<i8").view(np.uint8)
+        frame = Frame(PARAM_LOCAL, "float32", model, clock, PARAM_KEY, source, payload.nbytes)
         return self._stream(shard).push(frame, payload)
 
     def push_rows(

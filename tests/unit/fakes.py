@@ -13,6 +13,8 @@ from ray_ps_plugin._param.shard import ParamShard, Reply
 from ray_ps_plugin._transport import wait_handles
 from ray_ps_plugin._wire.frames import (
     LOCAL,
+    PARAM_KEY,
+    PARAM_LOCAL,
     PUSH,
     ROWS,
     ROWS_KEY,
@@ -91,6 +93,11 @@ class FakeDirect:
 
     def table_pull(self, shard, model, source, payload) -> Future:
         return self._table(shard, TABLE_PULL, model, source, payload)
+
+    def param_local(self, shard, model, source, clock, slot) -> Future:
+        payload = np.array([slot], "<i8").view(np.uint8)
+        frame = Frame(PARAM_LOCAL, "float32", model, clock, PARAM_KEY, source, payload.nbytes)
+        return self._send(shard, frame, payload, None)
 
     def table_push(self, shard, model, source, payload) -> Future:
         return self._table(shard, TABLE_PUSH, model, source, payload)

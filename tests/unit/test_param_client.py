@@ -11,7 +11,15 @@ from ray_ps_plugin._param.client import ParamClient
 from ray_ps_plugin._param.flat import FlatParams
 from ray_ps_plugin._param.layout import pieces as _pieces
 from ray_ps_plugin._param.layout import split_bounds
-from tests.unit.fakes import FakeTransport, LoggedParamShard, LoopThread, Settings, setup_for
+from ray_ps_plugin._wire.frames import PARAM_LOCAL
+from tests.unit.fakes import (
+    FakeDirect,
+    FakeTransport,
+    LoggedParamShard,
+    LoopThread,
+    Settings,
+    setup_for,
+)
 
 
 @pytest.fixture
@@ -41,9 +49,12 @@ def _models(world, seed=0):
 
 
 def _setup(loop, world, shards, staleness, timeout_s=5.0, shared=False, models=None):
-    """Real shards on a fake transport; ``shared``: every worker uses shared memory."""
+    """Real shards on a fake transport; ``shared``: every worker uses shared memory
+    (``"frames"``: with its notices as frames on the direct path)."""
     servers = [LoggedParamShard(i, world, staleness, timeout_s) for i in range(shards)]
     transport = FakeTransport(loop, servers)
+    if shared == "frames":
+        transport.direct = FakeDirect(loop, servers)
     models = models or _models(world)
     mode = "async" if staleness is None else "ssp"
     settings = Settings(mode=mode, staleness=staleness or 0, ps_timeout_s=timeout_s)
@@ -148,7 +159,9 @@ def _raw_sgd_step(model, opt, client, x, y):
     return raw
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["object-store", "shared-memory"])
+@pytest.mark.parametrize(
+    "shared", [False, True, "frames"], ids=["object-store", "shared-memory", "notice-frames"]
+)
 def test_an_async_worker_counts_its_own_step_as_the_shards_do(loop, shared):
     """Right after its step, before any reply, the worker trains on what the shards
     will hold once the push lands: start + step / W. The reply then changes nothing."""
@@ -215,19 +228,24 @@ def test_a_lone_async_worker_is_plain_sgd_at_lr_over_w(loop, shared):
     torch.testing.assert_close(_flat(model), expected, atol=1e-6, rtol=1e-4)
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["object-store", "shared-memory"])
+@pytest.mark.parametrize(
+    "shared", [False, True, "frames"], ids=["object-store", "shared-memory", "notice-frames"]
+)
 def test_constant_gradients_land_exactly_n_times_w_deltas(loop, shared):
     """Every delta applied once, none lost or doubled around an install: with a
     constant gradient, W workers of N SGD steps each move every parameter by
     N * W * (lr / W), on the shards and on every worker after a sync."""
     world, steps, lr = 3, 17, 0.125
-    _, _, models, clients = _setup(loop, world, shards=2, staleness=None, shared=shared)
+    _, transport, models, clients = _setup(loop, world, shards=2, staleness=None, shared=shared)
     start = _flat(models[0]).clone()
     opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in models]
 
     _constant_gradient_steps(models, clients, opts, steps)
     for m in models:
         torch.testing.assert_close(_flat(m), start - steps * lr, atol=1e-5, rtol=0)
+    if shared == "frames":  # every notice went as a frame, none as a Ray call
+        assert sum(kind == PARAM_LOCAL for _, kind, _ in transport.direct.frames) == 2 * 3 * 17
+        assert not [c for c in transport.calls if c[0] == "push_local"]
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["object-store", "shared-memory"])
