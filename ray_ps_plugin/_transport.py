@@ -93,6 +93,12 @@ class DirectPath(Protocol):
         """Asks for a sharded table's rows (a packed pull); the future holds them."""
         ...
 
+    def table_wait(
+        self, shard: int, model: int, source: int, clocks: dict[int, int]
+    ) -> Handle[Any]:
+        """Waits on a shard until ``model``'s tables are fresh enough for ``clocks``."""
+        ...
+
     def param_local(
         self, shard: int, model: int, source: int, clock: int, slot: int
     ) -> Handle[Any]:

@@ -183,6 +183,10 @@ class Table:
             # This worker's last update is applied once its push returns, and in
             # sync only after every worker's: the rows read next hold every step.
             owner.flush()
+        elif self.local and self.spec.staleness is not None:
+            # ssp: once per step, the node's shards confirm the bound for every
+            # table; then this node's rows are read from shared memory.
+            owner.await_bound()
         by_message = [(s, sl) for s, sl in parts if s not in self.local]
         handles = [owner.call_pull(s, self.ref.index, self.clock, host[sl]) for s, sl in by_message]
         pulled = owner.wait(handles, [s for s, _ in by_message], f"pulling rows of {self.name!r}")
@@ -352,8 +356,8 @@ class ShardedTables:
         num_shards: Number of shards the rows are split over.
         seed: Seed of the initial values, the same on every worker.
         local_shards: Shards of this worker's node reached through shared memory:
-            in sync and async the worker reads their rows there (ssp pulls them by
-            message, where the shard enforces the staleness bound).
+            the worker reads their rows there (in ssp once they confirmed the
+            staleness bound, see :meth:`await_bound`).
         real_tables: What becomes of embedding layers with sparse gradients on a
             real device (see :data:`RealTables`).
     """
@@ -380,6 +384,8 @@ class ShardedTables:
         self.stats = {"bytes_pulled": 0, "bytes_pushed": 0, "pushes": 0}
         self._error: BaseException | None = None
         self.generation = 0  # restores of the tables so far (load_tables)
+        # ssp: the tables' clocks the node's shards last confirmed fresh enough for.
+        self._bound_clocks: dict[int, int] = {}
         # The last step's push, one call per shard, with the tables it holds.
         self._inflight: list[tuple[Handle[Any], list[Table]]] = []
         self.tables: list[Table] = []
@@ -406,7 +412,7 @@ class ShardedTables:
             table = Table(TableRef(model_id, index), name, layer, spec, num_shards, self)
             self.tables.append(table)
         self._hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-        shared = set(local_shards) if settings.mode in ("sync", "async") else set()
+        shared = set(local_shards)
         pairs = [(t, s) for t in self.tables for s in range(num_shards)]
         handles = [
             transport.call(
@@ -672,6 +678,23 @@ class ShardedTables:
         else:
             entry["momentum_buffer"] = None
         return entry
+
+    def await_bound(self) -> None:
+        """ssp: waits until this node's shards hold every table's rows as fresh as
+        this worker may train on at its clocks (one call per shard and step)."""
+        clocks = {t.ref.index: t.clock for t in self.tables if t.local}
+        if clocks == self._bound_clocks:
+            return
+        shards = sorted({s for t in self.tables for s in t.local})
+        direct = self.transport.direct
+        handles = [
+            direct.table_wait(s, self.model_id, self.rank, clocks)
+            if direct is not None and direct.reaches(s)
+            else self.transport.call(s, "table_wait", self.model_id, self.rank, clocks)
+            for s in shards
+        ]
+        self.wait(handles, shards, "waiting for the other workers' updates (ssp)")
+        self._bound_clocks = clocks
 
     def call_pull(self, shard: int, table: int, clock: int, ids: np.ndarray) -> Handle[Any]:
         """Asks ``shard`` for rows ``ids`` of ``table``: a frame on the direct path

@@ -18,7 +18,7 @@ from ray_ps_plugin._shm import SegmentHandle
 from ray_ps_plugin._tables.frames import pack_push_answer, unpack_pull, unpack_push
 from ray_ps_plugin._tables.optim import TableOptimizer
 from ray_ps_plugin._tables.store import PushAnswer, PushEntry, TableSpec, TableStore
-from ray_ps_plugin._wire.frames import TABLE_PULL, TABLE_PUSH, Frame
+from ray_ps_plugin._wire.frames import TABLE_PULL, TABLE_PUSH, TABLE_WAIT, Frame
 
 __all__ = ["TableHost"]
 
@@ -54,6 +54,10 @@ class TableHost(ShardBase):
         if frame.kind == TABLE_PUSH:
             pushed = await self.table_push(frame.model, frame.source, unpack_push(payload))
             return pack_push_answer(pushed)
+        if frame.kind == TABLE_WAIT:
+            pairs = payload.view("<i8").reshape(-1, 2).tolist()
+            await self.table_wait(frame.model, frame.source, dict(pairs))
+            return np.empty(0, np.uint8)
         return None
 
     def table_create(
@@ -87,6 +91,12 @@ class TableHost(ShardBase):
             answers = await self._tables.push_many(model, rank, entries)
         self._bytes_out += sum(ids.nbytes + rows.nbytes for _, ids, rows in answers)
         return answers
+
+    async def table_wait(self, model: int, rank: int, clocks: dict[int, int]) -> None:
+        """See ``TableStore.wait_bound`` (``clocks``: by table)."""
+        self._check(model, rank)
+        with self._queued():
+            await self._tables.wait_bound(model, clocks)
 
     async def table_finish(self, model: int, rank: int) -> None:
         self._check(model, rank)

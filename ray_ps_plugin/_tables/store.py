@@ -271,6 +271,19 @@ class TableStore:
             await self._wait(t, lambda: t.slowest() >= need, f"every worker at clock {need}")
         return t.weight[local]
 
+    async def wait_bound(self, model: int, clocks: dict[int, int]) -> None:
+        """Returns once each table of ``model`` in ``clocks`` here holds what a worker
+        at that clock may train on (ssp: every unfinished worker has pushed ``clock
+        - s``), so that worker may read its rows straight from shared memory."""
+        for table, clock in clocks.items():
+            t = self._table(model, table)
+            if t.spec.staleness is None or t.spec.sync:
+                continue
+            need = clock - t.spec.staleness
+            await self._wait(
+                t, lambda t=t, n=need: t.slowest() >= n, f"every worker at clock {need}"
+            )
+
     async def push(
         self,
         model: int,

@@ -52,6 +52,7 @@ __all__ = [
     "TABLE_KEY",
     "TABLE_PULL",
     "TABLE_PUSH",
+    "TABLE_WAIT",
     "TOKEN_BYTES",
     "Frame",
     "FrameSender",
@@ -67,9 +68,9 @@ _HEADER = struct.Struct("<4sBBiqqiq")
 _MAGIC = b"PSW1"
 #: Size of a frame's header.
 HEADER_BYTES = _HEADER.size
-PUSH, ANSWER, ERROR, LOCAL, ROWS, TABLE_PULL, TABLE_PUSH, PARAM_LOCAL = 0, 1, 2, 3, 4, 5, 6, 7
+PUSH, ANSWER, ERROR, LOCAL, ROWS, TABLE_PULL, TABLE_PUSH, PARAM_LOCAL, TABLE_WAIT = range(9)
 #: The frames a pusher sends (the others are answers).
-REQUESTS = (PUSH, LOCAL, ROWS, TABLE_PULL, TABLE_PUSH, PARAM_LOCAL)
+REQUESTS = (PUSH, LOCAL, ROWS, TABLE_PULL, TABLE_PUSH, PARAM_LOCAL, TABLE_WAIT)
 #: The key of a ``ROWS`` frame: one per model, step and shard (chunk keys are >= 0).
 ROWS_KEY = -1
 #: The key of a table frame, whose ``step`` is a number the pusher never repeats.

@@ -52,6 +52,7 @@ from ray_ps_plugin._wire.frames import (
     TABLE_KEY,
     TABLE_PULL,
     TABLE_PUSH,
+    TABLE_WAIT,
     TOKEN_BYTES,
     Frame,
     FrameSender,
@@ -432,6 +433,14 @@ class WireStreams:
         """Sends a shard one optimizer step on a model's sharded tables (packed by
         :func:`ray_ps_plugin._tables.frames.pack_push`); the future holds the answer."""
         return self._table_frame(shard, TABLE_PUSH, model, source, payload)
+
+    def table_wait(
+        self, shard: int, model: int, source: int, clocks: dict[int, int]
+    ) -> concurrent.futures.Future[np.ndarray]:
+        """Asks a shard to answer once its rows of each table in ``clocks`` are as
+        fresh as a worker at that clock may train on (ssp's bound); no data."""
+        payload = np.array(sorted(clocks.items()), "<i8").reshape(-1).view(np.uint8)
+        return self._table_frame(shard, TABLE_WAIT, model, source, payload)
 
     def _table_frame(
         self, shard: int, kind: int, model: int, source: int, payload: np.ndarray

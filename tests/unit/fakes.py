@@ -21,6 +21,7 @@ from ray_ps_plugin._wire.frames import (
     TABLE_KEY,
     TABLE_PULL,
     TABLE_PUSH,
+    TABLE_WAIT,
     Frame,
     pack_local,
     relayed_rows_key,
@@ -93,6 +94,10 @@ class FakeDirect:
 
     def table_pull(self, shard, model, source, payload) -> Future:
         return self._table(shard, TABLE_PULL, model, source, payload)
+
+    def table_wait(self, shard, model, source, clocks) -> Future:
+        payload = np.array(sorted(clocks.items()), "<i8").reshape(-1).view(np.uint8)
+        return self._table(shard, TABLE_WAIT, model, source, payload)
 
     def param_local(self, shard, model, source, clock, slot) -> Future:
         payload = np.array([slot], "<i8").view(np.uint8)

@@ -344,6 +344,30 @@ def test_ssp_answers_a_pull_once_every_worker_is_within_the_bound():
     asyncio.run(main())
 
 
+def test_ssp_confirms_the_bound_for_reads_from_shared_memory_per_table():
+    """A worker of the shard's node reads rows from shared memory once the shard has
+    confirmed, per table, that every worker is within the bound of that table's
+    clock; a table at an older clock is not held to a newer one's bound."""
+    spec = _spec(rows=4, dim=1, staleness=1, sync=False)
+
+    async def main():
+        store = TableStore(0, 2, timeout_s=5.0)
+        for table in (0, 1):
+            store.create(0, table, spec, 1)
+        for clock in (1, 2):  # rank 0 two steps ahead on table 0, one on table 1
+            await store.push(0, 0, 0, clock, _ids(0), _grads(1, 1), "sgd", SGD_1)
+        await store.push(0, 1, 0, 1, _ids(0), _grads(1, 1), "sgd", SGD_1)
+        await asyncio.wait_for(store.wait_bound(0, {0: 1, 1: 1}), 1)  # needs clock 0
+        await asyncio.wait_for(store.wait_bound(0, {1: 1}), 1)
+        pending = asyncio.ensure_future(store.wait_bound(0, {0: 2, 1: 1}))
+        await asyncio.sleep(0.02)
+        assert not pending.done()  # table 0 at clock 2 needs rank 1 at clock 1
+        await store.push(0, 0, 1, 1, _ids(2), _grads(1, 1), "sgd", SGD_1)
+        await asyncio.wait_for(pending, 1)
+
+    asyncio.run(main())
+
+
 def test_async_never_waits_for_another_worker():
     spec = _spec(rows=4, dim=1, staleness=None, sync=False)
     start = init_rows(spec, 0, 0, 4)
