@@ -91,8 +91,8 @@ class PSConfig(TorchConfig):
         shared_memory: Whether a worker exchanges data with the shards of its own
             node through shared memory, as BytePS does within a machine: only a
             notice naming what was written travels separately (sync: one per bucket
-            and shard, a Ray call or a frame on the direct TCP path where the run
-            has one; async/ssp: one Ray call per step and shard). Turn it off to force every
+            and shard; async/ssp: one per step and shard; a frame on the direct TCP
+            path where the run has one, else a Ray call). Turn it off to force every
             byte of a node's own shards through the object store (e.g. to compare).
         server_placement: ``"auto"`` (the default): one shard per node when a sync
             run spans several nodes and some node has several workers (its shard
@@ -101,12 +101,13 @@ class PSConfig(TorchConfig):
             per worker, in its bundle (or ``num_servers`` shards round-robin over the
             workers). ``"node"``: one shard per node, in the bundle of that node's
             lowest-rank worker. ``num_servers`` set means ``"worker"`` placement.
-        data_path: How sync-mode chunks cross between nodes: ``"tcp"`` (a direct
-            TCP stream from the pusher to the shard, opened on the node's address
-            when the run starts; the fast path) or ``"object_store"`` (as Ray
-            actor-call arguments and results; use it where the nodes allow only
-            Ray's own ports). On one node only sparse embedding rows take the TCP
-            path. Async/ssp always use the object store.
+        data_path: ``"tcp"`` (each shard listens on a TCP port of its node's
+            address, opened when the run starts; the fast path) or
+            ``"object_store"`` (everything as Ray actor-call arguments and results;
+            use it where the nodes allow only Ray's own ports). With ``"tcp"``
+            sync chunks cross nodes as frames; in every mode but diloco the
+            notices to a node's own shards and the tables' rows take it too, also
+            on one node. Async/ssp updates to other nodes' shards go by Ray call.
         node_aggregation: Whether, in sync mode, the workers of a node with several
             workers first sum their gradients (dense chunks and sparse rows) on that
             node's first shard, which then sends one partial sum per node across the

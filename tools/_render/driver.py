@@ -27,6 +27,7 @@ from pathlib import Path
 from .chaos_soak import chaos_table
 from .cost_curves import cost_shm_table
 from .diloco import diloco_digits_table, diloco_points, net_bytes_fraction
+from .dlrm import dlrm_loss_gap, dlrm_ratio, dlrm_table
 from .net import (
     net_cost_table,
     net_floor,
@@ -104,6 +105,9 @@ RENDERERS: dict[str, Callable[..., str]] = {
         recsys_versus,
         recsys_memory_table,
         recsys_peak_gib,
+        dlrm_table,
+        dlrm_ratio,
+        dlrm_loss_gap,
     )
 }
 
