@@ -1,4 +1,4 @@
-"""CPU that a shard's event loop spends per MiB received on the direct data path.
+"""CPU that a shard's event loop spends per MiB received on the direct path.
 
 A shard's event loop owns all of its state: every sum, every relay hand-off and every
 Ray call of the shard run on that one thread. Whatever the loop spends moving bytes
@@ -36,7 +36,8 @@ import numpy as np
 
 import ray_ps_plugin
 from ray_ps_plugin._wire.frames import Frame
-from ray_ps_plugin._wire.path import WireServer, WireStreams
+from ray_ps_plugin._wire.server import WireServer
+from ray_ps_plugin._wire.streams import WireStreams
 
 TOKEN = bytes(range(32))
 

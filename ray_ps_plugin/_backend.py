@@ -20,7 +20,7 @@ from ray.util.scheduling_strategies import (
 )
 
 from ray_ps_plugin import _runtime
-from ray_ps_plugin._modes import MODE_SPECS
+from ray_ps_plugin._modes import spec_of
 from ray_ps_plugin._ray_compat import TorchBackend, worker_placement_group, worker_places
 from ray_ps_plugin._types import RunSettings, ServerPlacement
 
@@ -40,7 +40,7 @@ def _per_node(worker_group: Any, cfg: BackendSettings) -> bool:
     """Whether the run gets one shard per node (see ``PSConfig.server_placement``)."""
     if cfg.server_placement != "auto":
         return cfg.server_placement == "node"
-    if cfg.num_servers is not None or not MODE_SPECS[cfg.mode].relays_chunks:
+    if cfg.num_servers is not None or not spec_of(cfg).relays_chunks:
         return False
     if cfg.data_path != "tcp" or not cfg.node_aggregation:
         return False  # without relays, per-node shards would only concentrate the work
@@ -117,22 +117,23 @@ class PSBackend(TorchBackend):
 
     def shard_class(self, cfg: BackendSettings) -> type:
         """The shard class of ``cfg.mode`` (tests substitute instrumented ones)."""
-        return MODE_SPECS[cfg.mode].shard_cls
+        return spec_of(cfg).shard_cls
 
     def _start_servers(self, worker_group: Any, cfg: BackendSettings) -> None:
         num_workers = len(worker_group)
         placements = shard_placements(
             worker_group, cfg.num_servers, per_node=_per_node(worker_group, cfg)
         )
+        spec = spec_of(cfg)
         actor_cls: Any = ray.remote(self.shard_class(cfg))
-        args = MODE_SPECS[cfg.mode].shard_args(cfg)
+        args = spec.shard_args(cfg)
         for i, strategy in enumerate(placements):
             self._servers.append(
                 actor_cls.options(
                     num_cpus=0,
                     scheduling_strategy=strategy,
                     max_restarts=0,
-                    max_concurrency=MODE_SPECS[cfg.mode].max_concurrency,
+                    max_concurrency=spec.max_concurrency,
                 ).remote(i, num_workers, *args)
             )
         try:
@@ -146,7 +147,7 @@ class PSBackend(TorchBackend):
             ) from e
         server_nodes = [r["node_id"] for r in ready]
         worker_nodes = [p.node_id for p in worker_places(worker_group)]
-        connect = MODE_SPECS[cfg.mode].connect
+        connect = spec.connect
         info = _runtime.RunInfo(
             settings=cfg,
             servers=list(self._servers),

@@ -49,6 +49,7 @@ class ClientSetup:
         remote_shards: Shards on other nodes (their traffic crosses the network).
         metrics: Exports the counters through ``ray.util.metrics``, if available.
         topology: The run's topology from the mode's start-up (sync), or ``None``.
+        staleness: The clock gap the shards allow (``None``: no bound).
     """
 
     model_id: int
@@ -62,6 +63,7 @@ class ClientSetup:
     remote_shards: frozenset[int] = frozenset()
     metrics: WorkerMetrics | None = None
     topology: Any = None
+    staleness: int | None = None
 
 
 def _trainable_flags(module: torch.nn.Module) -> tuple[tuple[str, bool], ...]:

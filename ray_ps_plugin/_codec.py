@@ -122,9 +122,10 @@ class Codec:
             as_torch(out).copy_(as_torch(values))
         return out
 
-    def wire_np(self, values: np.ndarray, dtype: str = "float32") -> np.ndarray:
+    def as_sent_np(self, values: np.ndarray, dtype: str = "float32") -> np.ndarray:
         """Shard side: ``values`` (in the dtype shards compute in for model dtype
-        ``dtype``) as they travel: encoded where the format differs, else themselves."""
+        ``dtype``) as they are sent: encoded where the encoding differs, else
+        themselves."""
         return self.encode_np(values, dtype) if self.converts(dtype) else values
 
     def decode_np(self, arr: np.ndarray, dtype: str = "float32") -> np.ndarray:

@@ -28,11 +28,11 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from ray_ps_plugin import _runtime, _torch_compat
-from ray_ps_plugin._modes import MODE_SPECS, sparse_optimizer
+from ray_ps_plugin._modes import real_tables, spec_of
 from ray_ps_plugin._tables import client as _table_client
 from ray_ps_plugin._tables import layers as _table_layers
 from ray_ps_plugin._transport import RayTransport
-from ray_ps_plugin._types import Compression, RunSettings
+from ray_ps_plugin._types import Compression
 
 __all__ = [
     "PSDistributedDataParallel",
@@ -80,7 +80,7 @@ if _MISSING_TORCH_NAMES:  # pragma: no cover - only on an unchecked torch
     )
 
 
-class PSDistributedDataParallel(DistributedDataParallel):
+class PSDistributedDataParallel(_torch_compat.BuiltinHookGuard, DistributedDataParallel):
     """``DistributedDataParallel`` whose synchronisation goes through the servers.
 
     Built directly, or made from a plain DDP that a framework constructed while the
@@ -118,12 +118,6 @@ class PSDistributedDataParallel(DistributedDataParallel):
         self._refuse_comm_hook(getattr(hook, "__qualname__", repr(hook)))
         super().register_comm_hook(state, hook)
 
-    # torch-private (_torch_compat.BUILTIN_COMM_HOOK_METHOD): the path of DDP's
-    # built-in C++ hooks, which register_comm_hook does not see.
-    def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
-        self._refuse_comm_hook(str(comm_hook_type))
-        super()._register_builtin_comm_hook(comm_hook_type)
-
     def _refuse_comm_hook(self, name: str) -> None:
         if not self._ps_owns_comm:
             return
@@ -152,7 +146,7 @@ def attach(ddp: PSDistributedDataParallel) -> None:
     """Connects a constructed DDP to the shards: builds, registers and binds the
     mode's client (the one set-up of every PS model, however it was built)."""
     info = _runtime.current_run()
-    spec = MODE_SPECS[info.settings.mode]
+    spec = spec_of(info.settings)
     setup = _runtime.client_setup(ddp.module, info)
 
     def open_transport() -> RayTransport:
@@ -166,9 +160,11 @@ def attach(ddp: PSDistributedDataParallel) -> None:
     _runtime.register(client)
     client.bind(ddp)  # sync: registers the servers' comm hook
     ddp._ps_owns_comm = True
-    real = _real_tables(info.settings)
+    mode = _table_client.TableMode(
+        sync=spec.sums_tables, staleness=spec.bound(info.settings), real=real_tables(info.settings)
+    )
     if _table_layers.meta_tables(ddp.module) or (
-        real != "workers" and _table_layers.replica_tables(ddp.module)
+        mode.real != "workers" and _table_layers.replica_tables(ddp.module)
     ):
         tables = _table_client.ShardedTables(
             setup.model_id,
@@ -179,8 +175,8 @@ def attach(ddp: PSDistributedDataParallel) -> None:
             setup.world_size,
             setup.num_shards,
             seed=_table_seed(),
+            mode=mode,
             local_shards=setup.local_shards,
-            real_tables=real,
         )
         _runtime.register_tables(tables)
 
@@ -192,19 +188,12 @@ def _before_ddp(module: torch.nn.Module) -> None:
     settings = _runtime.current_run().settings
     check_supported(module, settings.compression)
     _check_not_attached(module)
-    _table_layers.check_tables(module, settings.mode)
+    _table_layers.check_tables(module, spec_of(settings).tables_on_shards, settings.mode)
     names = _table_layers.meta_table_names(module)
-    if _real_tables(settings) != "workers":
+    if real_tables(settings) != "workers":
         names += _table_layers.replica_table_names(module)
     if names:
         _torch_compat.ignore_in_ddp(module, names)
-
-
-def _real_tables(settings: RunSettings) -> _table_client.RealTables:
-    """What the run makes of embedding layers with sparse gradients on a real device."""
-    if sparse_optimizer(settings) == "workers":
-        return "workers"
-    return "copies" if MODE_SPECS[settings.mode].table_copies else "lookups"
 
 
 def _table_seed() -> int:
@@ -230,7 +219,7 @@ def _check_not_attached(module: torch.nn.Module) -> None:
         ValueError: Naming the fix.
     """
     info = _runtime.current_run()
-    if info.settings.mode == "sync" or not _runtime.module_attached(module):
+    if spec_of(info.settings).uses_reducer or not _runtime.module_attached(module):
         return
     raise ValueError(
         f"{type(module).__name__} is already synchronised by the parameter servers "

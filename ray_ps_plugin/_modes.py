@@ -7,6 +7,7 @@ whether DDP's own reducer stays in the forward pass.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,17 +23,17 @@ from ray_ps_plugin._sync.client import SumClient
 from ray_ps_plugin._sync.layout import SHARD_MAX_CONCURRENCY
 from ray_ps_plugin._sync.setup import connect_shards, open_direct_path
 from ray_ps_plugin._sync.shard import SumShard
+from ray_ps_plugin._tables.client import RealTables
 from ray_ps_plugin._transport import DirectPath, Transport
 from ray_ps_plugin._types import (
     Mode,
     RunSettings,
     SparseOptimizer,
     outer_learning_rate,
-    staleness_bound,
 )
 from ray_ps_plugin._wire.setup import open_streams, open_wires
 
-__all__ = ["MODE_SPECS", "ModeSpec", "sparse_optimizer"]
+__all__ = ["MODE_SPECS", "ModeSpec", "real_tables", "spec_of", "staleness_bound"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,10 @@ class ModeSpec:
             only the rows it touched instead of the whole table.
         tables_on_shards: Whether the mode can step sparse tables on the shards
             (diloco's workers step their own copies between rounds).
+        bound: The clock gap a shard lets the fastest worker run ahead of the
+            slowest, given the config (``None``: no bound).
+        sums_tables: Whether a table's pushes of one clock are summed and applied
+            together (sync), rather than each as it comes.
         relays_chunks: Whether a node's first shard sums the node's workers' chunks
             before they cross the network (sync), so ``server_placement="auto"``
             may start one shard per node instead of one per worker.
@@ -75,6 +80,8 @@ class ModeSpec:
     connect: Callable[[Sequence[Any], Sequence[str], Sequence[str], RunSettings], Any] | None = None
     max_concurrency: int = 1000
     direct_path: Callable[[RunSettings, Any], DirectPath | None] | None = None
+    bound: Callable[[RunSettings], int | None] = lambda cfg: None
+    sums_tables: bool = False
     sparse_optimizer: SparseOptimizer = "workers"
     tables_on_shards: bool = True
     table_copies: bool = False
@@ -91,10 +98,12 @@ _SUM = ModeSpec(
     direct_path=open_direct_path,
     table_copies=True,
     relays_chunks=True,
+    bound=lambda cfg: 0,
+    sums_tables=True,
 )
-_PARAM = ModeSpec(
+_ASYNC = ModeSpec(
     shard_cls=ParamShard,
-    shard_args=lambda cfg: (staleness_bound(cfg), cfg.ps_timeout_s, cfg.compression),
+    shard_args=lambda cfg: (None, cfg.ps_timeout_s, cfg.compression),
     build_client=ParamClient.build,
     uses_reducer=False,
     # The tables' pulls and pushes go as frames: a Ray call and its reply cost a
@@ -108,10 +117,24 @@ _PARAM = ModeSpec(
     sparse_optimizer="shards",
 )
 
+_SSP = dataclasses.replace(
+    _ASYNC,
+    shard_args=lambda cfg: (cfg.staleness, cfg.ps_timeout_s, cfg.compression),
+    bound=lambda cfg: cfg.staleness,
+)
+
+
+def _round_bound(cfg: RunSettings) -> int:
+    """Diloco's bound, in rounds: 0 with synchronous rounds (every worker's round
+    ``k`` is in before anyone's round ``k + 1`` starts), ``staleness`` with
+    asynchronous ones."""
+    return cfg.staleness if cfg.diloco_rounds == "async" else 0
+
+
 _DILOCO = ModeSpec(
     shard_cls=DilocoShard,
     shard_args=lambda cfg: (
-        staleness_bound(cfg),
+        _round_bound(cfg),
         cfg.ps_timeout_s,
         cfg.compression,
         cfg.outer_optimizer,
@@ -121,18 +144,34 @@ _DILOCO = ModeSpec(
     build_client=DilocoClient.build,
     uses_reducer=False,
     connect=connect_round_relays,
-    max_concurrency=_PARAM.max_concurrency,  # the same calls as async/ssp
+    max_concurrency=_ASYNC.max_concurrency,  # the same calls as async/ssp
     tables_on_shards=False,
+    bound=_round_bound,
 )
 
 MODE_SPECS: dict[Mode, ModeSpec] = {
     "sync": _SUM,
-    "async": _PARAM,
-    "ssp": _PARAM,
+    "async": _ASYNC,
+    "ssp": _SSP,
     "diloco": _DILOCO,
 }
 
 
-def sparse_optimizer(settings: RunSettings) -> SparseOptimizer:
-    """Where the run steps sparse tables: the config's choice, else the mode's."""
-    return settings.sparse_optimizer or MODE_SPECS[settings.mode].sparse_optimizer
+def spec_of(settings: RunSettings) -> ModeSpec:
+    """The spec of the run's mode: the one place a mode is looked up."""
+    return MODE_SPECS[settings.mode]
+
+
+def staleness_bound(settings: RunSettings) -> int | None:
+    """The clock gap the run's shards allow (see :attr:`ModeSpec.bound`)."""
+    return spec_of(settings).bound(settings)
+
+
+def real_tables(settings: RunSettings) -> RealTables:
+    """What the run makes of embedding layers with sparse gradients on a real
+    device: the config's ``sparse_optimizer``, else the mode's, and with the
+    optimizer on the shards, the mode's way of keeping the workers' copies."""
+    spec = spec_of(settings)
+    if (settings.sparse_optimizer or spec.sparse_optimizer) == "workers":
+        return "workers"
+    return "copies" if spec.table_copies else "lookups"

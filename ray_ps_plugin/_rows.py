@@ -25,7 +25,17 @@ import numpy.typing as npt
 from ray_ps_plugin._dtypes import BF16_BITS, MODEL_DTYPES
 from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
 
-__all__ = ["ByteReader", "RowEntry", "RowSums", "pack", "row_bounds", "sum_rows", "unpack"]
+__all__ = [
+    "ByteReader",
+    "RowEntry",
+    "RowSums",
+    "pack",
+    "row_bounds",
+    "row_bytes",
+    "sum_rows",
+    "take_rows",
+    "unpack",
+]
 
 #: One table's rows in a message: ``(table, split, indices, values, dtype)``, the
 #: table's index, ``(rows, shards)`` as the sender split the table, sorted unique
@@ -74,9 +84,36 @@ def sum_rows(indices: list[np.ndarray], values: list[np.ndarray]) -> tuple[np.nd
     return rows, np.add.reduceat(vals[order], starts, axis=0)
 
 
+def row_bytes(
+    ids: np.ndarray, values: np.ndarray, dtype: npt.DTypeLike = "<f4"
+) -> list[np.ndarray]:
+    """Rows as bytes, the one layout every message with rows uses: the int64 row
+    indices, then the values row after row (in ``dtype``); the message's own header
+    says how many rows and how wide."""
+    return [
+        np.ascontiguousarray(ids, "<i8").view(np.uint8).reshape(-1),
+        np.ascontiguousarray(values, dtype).reshape(-1).view(np.uint8),
+    ]
+
+
+def take_rows(
+    reader: ByteReader, n: int, width: int, dtype: npt.DTypeLike = "<f4"
+) -> tuple[np.ndarray, np.ndarray]:
+    """The next ``n`` rows of ``width`` values :func:`row_bytes` wrote, as views
+    ``(ids, values)``.
+
+    Raises:
+        ValueError: If fewer bytes are left, or a count is negative.
+    """
+    if n < 0 or width < 0:
+        raise ValueError(f"{n} rows of {width} values")
+    ids = reader.take("<i8", n)
+    return ids, reader.take(dtype, n * width).reshape(n, width)
+
+
 def pack(entries: list[RowEntry]) -> np.ndarray:
-    """The bytes of a list of row entries, for a frame on the direct data path: a
-    header of int64 fields, then each entry's indices and values."""
+    """The bytes of a list of row entries, for a frame on the direct path: a
+    header of int64 fields, then each entry's rows."""
     head = [len(entries)]
     for table, (rows, shards), indices, values, dtype in entries:
         row_numel = int(np.prod(values.shape[1:]))
@@ -84,7 +121,7 @@ def pack(entries: list[RowEntry]) -> np.ndarray:
         head.append(_VALUE_DTYPES.index(values.dtype))
     parts = [np.asarray(head, "<i8").view(np.uint8)]
     for _, _, indices, values, _ in entries:
-        parts += [indices.view(np.uint8).reshape(-1), values.reshape(-1).view(np.uint8)]
+        parts += row_bytes(indices, values, values.dtype)
     return np.concatenate(parts)
 
 
@@ -134,11 +171,8 @@ def unpack(payload: np.ndarray) -> list[RowEntry]:
         head = reader.take("<i8", _FIELDS * int(count)).reshape(-1, _FIELDS)
         out: list[RowEntry] = []
         for table, rows, shards, n, row_numel, dtype, value_dtype in head.tolist():
-            indices = reader.take("<i8", n)
-            values = reader.take(_VALUE_DTYPES[value_dtype], n * row_numel)
-            out.append(
-                (table, (rows, shards), indices, values.reshape(n, row_numel), MODEL_DTYPES[dtype])
-            )
+            indices, values = take_rows(reader, n, row_numel, _VALUE_DTYPES[value_dtype])
+            out.append((table, (rows, shards), indices, values, MODEL_DTYPES[dtype]))
     except (ValueError, IndexError) as e:
         raise ShardProtocolError(f"a frame of sparse rows is malformed: {e}") from None
     if reader.left:

@@ -28,6 +28,7 @@ from torch.optim.optimizer import (
 
 from ray_ps_plugin._client import ClientBase, ClientSetup
 from ray_ps_plugin._metrics import WorkerMetrics
+from ray_ps_plugin._modes import staleness_bound
 from ray_ps_plugin._stats import PSStats
 from ray_ps_plugin._tables.checkpoint import load_tables, save_tables
 from ray_ps_plugin._tables.client import ShardedTables
@@ -56,7 +57,7 @@ class RunInfo:
         servers: Actor handles of the shards, in shard order.
         server_node_ids: Node id of each shard.
         topology: What the mode's start-up found (sync: who relays for whom and
-            the shards' direct data paths); ``None`` in async/ssp.
+            the shards' direct paths); ``None`` in async/ssp.
     """
 
     settings: RunSettings
@@ -273,6 +274,7 @@ def client_setup(module: torch.nn.Module, info: RunInfo) -> ClientSetup:
         remote_shards=frozenset(i for i, n in enumerate(info.server_node_ids) if n != node),
         metrics=_worker_metrics(info.settings.mode, rank, len(_CLIENTS)),
         topology=info.topology,
+        staleness=staleness_bound(info.settings),
     )
 
 

@@ -22,7 +22,7 @@ from ray_ps_plugin._dtypes import MODEL_DTYPES
 from ray_ps_plugin._errors import ShardProtocolError
 from ray_ps_plugin._metrics import ShardMetrics
 from ray_ps_plugin._wire.frames import Frame
-from ray_ps_plugin._wire.path import WireServer
+from ray_ps_plugin._wire.server import WireServer
 
 __all__ = ["MAX_MODELS", "ShardBase"]
 

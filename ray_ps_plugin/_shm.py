@@ -5,7 +5,7 @@ traffic between machines; this module is that idea for a worker and a colocated
 shard. The bulk data (gradient chunks, sums, deltas, parameters) is written into a
 segment both processes have mapped, and only a small notice of what was written
 (step, keys, rank) travels separately: a Ray actor call, or in sync mode a frame on
-the shard's direct TCP socket where the run has one (``_wire/path.py``). Compared
+the shard's direct TCP socket where the run has one (``_wire/``). Compared
 with Ray's object store this saves, per message, the object's creation, sealing,
 reference counting and deletion and one or two full copies, which on a small
 machine cost more than the data itself.

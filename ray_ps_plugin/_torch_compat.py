@@ -32,6 +32,7 @@ __all__ = [
     "COMM_HOOKS_ATTR",
     "DDP_IGNORE_ATTR",
     "DDP_IGNORE_METHOD",
+    "BuiltinHookGuard",
     "ddp_ignored",
     "drop_comm_hooks",
     "ignore_in_ddp",
@@ -63,6 +64,19 @@ APPLY_METHOD = "_apply"
 
 # Checked against torch 2.14.1: where that method keeps the names on the module.
 DDP_IGNORE_ATTR = "_ddp_params_and_buffers_to_ignore"
+
+
+class BuiltinHookGuard:
+    """Mixed into a ``DistributedDataParallel`` subclass: DDP's built-in C++ hooks are
+    registered through a torch-private method that ``register_comm_hook`` does not
+    see; this routes them through the subclass's ``_refuse_comm_hook(name)`` too."""
+
+    def _refuse_comm_hook(self, name: str) -> None:
+        raise NotImplementedError
+
+    def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
+        self._refuse_comm_hook(str(comm_hook_type))
+        getattr(super(), BUILTIN_COMM_HOOK_METHOD)(comm_hook_type)
 
 
 def ddp_ignored(module: torch.nn.Module) -> frozenset[str]:

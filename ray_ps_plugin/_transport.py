@@ -51,7 +51,7 @@ Handle = concurrent.futures.Future
 
 
 class DirectPath(Protocol):
-    """The sync mode's TCP path from a worker to the shards (``_wire.path.WireStreams``).
+    """The direct path from a worker to the shards (``_wire.streams.WireStreams``).
 
     Pushes return :data:`Handle` objects, waited for like Ray calls.
     """

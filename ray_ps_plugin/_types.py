@@ -31,7 +31,6 @@ __all__ = [
     "SparseOptimizer",
     "Strategy",
     "outer_learning_rate",
-    "staleness_bound",
 ]
 
 Strategy = Literal["ddp", "ps"]
@@ -58,20 +57,6 @@ SPARSE_OPTIMIZERS: tuple[SparseOptimizer, ...] = get_args(SparseOptimizer)
 #: ``None``: DiLoCo's 0.7 for Nesterov momentum, 1 for plain averaging (the new
 #: global parameters are then the mean of the workers' parameters: local SGD).
 DEFAULT_OUTER_LR: dict[OuterOptimizer, float] = {"nesterov": 0.7, "average": 1.0}
-
-
-def staleness_bound(settings: RunSettings) -> int | None:
-    """The bound on clock gaps a shard enforces, or ``None`` for no bound.
-
-    ``"ssp"``: ``staleness`` steps. ``"diloco"``: 0 rounds with synchronous rounds
-    (every worker's round ``k`` is in before anyone's round ``k + 1`` starts),
-    ``staleness`` rounds with asynchronous ones. ``"async"``: no bound.
-    """
-    if settings.mode == "ssp":
-        return settings.staleness
-    if settings.mode == "diloco":
-        return settings.staleness if settings.diloco_rounds == "async" else 0
-    return None
 
 
 def outer_learning_rate(settings: RunSettings) -> float:

@@ -83,7 +83,7 @@ class PSConfig(TorchConfig):
         nan_policy: What a step whose gradients hold NaN or Inf does: ``"raise"``
             (fail with an error naming rank and step), ``"skip"`` (the optimizer
             step is dropped, with a warning) or ``"ignore"`` (no check, like DDP).
-        compression: ``None`` (the model's dtype on the wire), ``"bf16"`` or
+        compression: ``None`` (values travel in the model's dtype), ``"bf16"`` or
             ``"fp16"``: what workers and shards send each other between nodes as
             16-bit values, halving the bytes. Shards keep their sums and
             master parameters in the model's dtype (at least fp32); shared memory

@@ -41,7 +41,6 @@ from ray_ps_plugin._param.flat import FlatParams
 from ray_ps_plugin._param.layout import single_dtype, split_bounds
 from ray_ps_plugin._param.shard import Reply
 from ray_ps_plugin._transport import Handle, Lane, Transport, mapped, open_lanes, wait_all
-from ray_ps_plugin._types import staleness_bound
 
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
@@ -74,7 +73,7 @@ class ParamClient(ClientBase):
         # not the gradients before the step: one pass over the parameters fewer.
         super().__init__(setup, setup.num_shards, check_local=setup.settings.nan_policy != "raise")
         self._codec = Codec(setup.settings.compression)
-        self._staleness = staleness_bound(setup.settings)
+        self._staleness = setup.staleness
         self._transport = transport
         params = list(setup.params)
         self._bounds = split_bounds(sum(p.numel() for p in params), setup.num_shards)
@@ -193,12 +192,21 @@ class ParamClient(ClientBase):
         """Pushes this step's delta to every shard and installs the newest reply plus
         ``delta / W`` (called after optimizer.step)."""
         self._first_forward = True
+        self._overlapped_push("clock")
+        with self._lock:
+            self._stats.steps = self._clock
+        self._export_metrics()
+
+    def _overlapped_push(self, what: str) -> None:
+        """Confirms the previous push, installs its reply plus this step's change
+        counted as the shards count it, and sends the change without waiting
+        (``what``: a clock or a round, for error messages)."""
         previous = None
         if self._inflight is not None:
             # The shards apply a worker's updates in clock order; Ray does not order
             # calls to an asyncio actor, so the previous push must be confirmed first
             # (which also frees the shared-memory input the delta is written to).
-            previous = self._wait_counted(self._inflight.handles, f"clock {self._inflight.clock}")
+            previous = self._wait_counted(self._inflight.handles, f"{what} {self._inflight.clock}")
         # Train on the newest parameters at hand (the previous push's reply, which
         # holds every earlier step of this worker) plus this step counted as the
         # shards count it. Adding the whole step instead would run the worker ahead
@@ -212,9 +220,6 @@ class ParamClient(ClientBase):
         self._advance(None if self._installed else previous, self._clock % 2)
         self._inflight = _InFlight(self._clock + 1, self._push(), time.perf_counter())
         self._installed = False
-        with self._lock:
-            self._stats.steps = self._clock
-        self._export_metrics()
 
     def _push(self) -> list[Handle[Any]]:
         """Sends the delta taken into the push buffers as the next clock's update;

@@ -31,7 +31,6 @@ the shards apply a round without the workers that finished.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
@@ -39,7 +38,7 @@ import torch
 
 from ray_ps_plugin._client import ClientBase, ClientSetup
 from ray_ps_plugin._nonfinite import all_finite
-from ray_ps_plugin._param.client import ParamClient, _InFlight
+from ray_ps_plugin._param.client import ParamClient
 from ray_ps_plugin._param.relay import RoundRelays
 from ray_ps_plugin._transport import Handle, Transport
 
@@ -196,14 +195,9 @@ class DilocoClient(ParamClient):
         travelled during this round's local steps) plus the local progress since
         that push, then pushes that progress without waiting for its answer."""
         self._since_round = 0
-        previous = None
-        if self._inflight is not None:
-            previous = self._wait_counted(self._inflight.handles, f"round {self._inflight.clock}")
         # The same pass as async's step: delta = params - base, params = answer +
         # delta, base = params; the answer is in the previous round's output slot.
-        self._advance(None if self._installed else previous, self._clock % 2)
-        self._inflight = _InFlight(self._clock + 1, self._push(), time.perf_counter())
-        self._installed = False
+        self._overlapped_push("round")
 
     def _push_by_message(self, shard: int, delta: Any) -> Handle[Any]:
         """Another node's shard's slice goes to this node's relay, if it has one."""

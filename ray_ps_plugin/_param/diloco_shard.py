@@ -43,7 +43,7 @@ class DilocoShard(ParamShard):
         staleness: 0 for synchronous rounds, else the largest round gap a reply may
             have (asynchronous rounds).
         timeout_s: How long a reply waits for slow workers before it fails.
-        compression: Wire format of changes and parameters through the object store.
+        compression: The encoding of changes and parameters through the object store.
         outer_optimizer: ``"nesterov"`` or ``"average"``.
         outer_lr: The outer learning rate.
         outer_momentum: The outer momentum (``"nesterov"``).

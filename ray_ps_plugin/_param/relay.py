@@ -17,13 +17,13 @@ they exist to avoid.
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ray_ps_plugin._relays import relay_shards
 from ray_ps_plugin._types import RunSettings
 
 __all__ = ["RelayGroup", "RoundRelays", "connect_round_relays"]
@@ -61,13 +61,8 @@ def connect_round_relays(
         return None
     if len(set(worker_nodes) | set(shard_nodes)) < 2:
         return None
-    first_shard: dict[str, int] = {}
-    for s, node in enumerate(shard_nodes):
-        first_shard.setdefault(node, s)
-    per_node = Counter(worker_nodes)
-    relay_of_rank = tuple(
-        first_shard.get(node) if per_node[node] >= 2 else None for node in worker_nodes
-    )
+    relays = relay_shards(worker_nodes, shard_nodes)
+    relay_of_rank = tuple(relays.get(node) for node in worker_nodes)
     ranks: dict[int, list[int]] = {}
     for rank, relay in enumerate(relay_of_rank):
         if relay is not None:

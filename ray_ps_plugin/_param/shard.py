@@ -98,7 +98,7 @@ class ParamShard(TableHost):
             bound (``"async"``).
         timeout_s: How long a read waits for slow workers, and a push for the
             initial parameters, before it fails.
-        compression: Wire format of deltas and parameters through the object store.
+        compression: The encoding of deltas and parameters through the object store.
     """
 
     def __init__(
@@ -255,7 +255,7 @@ class ParamShard(TableHost):
             rank: The pushing worker.
             clock: The clock this update completes (the worker's update count).
             delta: The change the worker's optimizer made to this slice in one step,
-                in the wire format.
+                in the codec's encoding.
 
         Returns:
             A copy of this shard's parameters, every worker's clock at the time and

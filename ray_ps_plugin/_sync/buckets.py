@@ -56,7 +56,7 @@ class DenseStream:
         lanes: Shards of this node reached through shared memory, by shard index.
         routes: Where the chunks of each owner shard go (see
             :class:`~ray_ps_plugin._sync.topology.Topology`).
-        direct: The run's direct data path, if it has one: chunks for other nodes'
+        direct: The run's direct path, if it has one: chunks for other nodes'
             shards and the notices for this node's take it.
     """
 

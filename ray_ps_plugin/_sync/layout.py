@@ -309,7 +309,7 @@ def plan_layout(
         chunk_bytes: ``PSConfig.chunk_bytes`` (``None``: :func:`auto_chunk_bytes`).
         world_size: Number of workers.
         relays: Whether the run has node relays (a relay holds the whole stream).
-        direct: Whether chunks cross nodes on the direct data path, where range ends
+        direct: Whether chunks cross nodes on the direct path, where range ends
             are tapered (see :class:`StreamLayout`).
 
     Raises:

@@ -20,7 +20,7 @@ import numpy as np
 from ray_ps_plugin._codec import Codec
 from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
 from ray_ps_plugin._rows import RowEntry, pack, sum_rows
-from ray_ps_plugin._wire.path import await_answer, relay_failure
+from ray_ps_plugin._wire.streams import await_answer, relay_failure
 
 __all__ = ["Forward", "RowRelay"]
 
@@ -127,7 +127,7 @@ class RowRelay:
                 [gather.entries[r][k][2] for r in ranks],
                 [self._codec.decode_np(gather.entries[r][k][3], dtype) for r in ranks],
             )
-            out.append((table, split, rows, self._codec.wire_np(sums, dtype), dtype))
+            out.append((table, split, rows, self._codec.as_sent_np(sums, dtype), dtype))
         return pack(out)
 
     async def _send(self, where: str, model: int, step: int, owner: int, gather: _Gather) -> None:

@@ -131,7 +131,7 @@ class RowBatch:
                 if direct is None or not direct.reaches(target):
                     raise PSError(
                         f"rank {rank}: sparse rows for shard {s} must go through this "
-                        f"node's relay (shard {target}), which has no direct data path."
+                        f"node's relay (shard {target}), which has no direct path."
                     )
                 payload = pack(per_shard[s])
                 handles.append(direct.push_rows(target, model_id, step, rank, payload, s))

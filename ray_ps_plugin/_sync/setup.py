@@ -11,8 +11,8 @@ from typing import Any
 
 from ray_ps_plugin._sync.topology import Topology
 from ray_ps_plugin._types import RunSettings
-from ray_ps_plugin._wire.path import WireStreams
 from ray_ps_plugin._wire.setup import Wires, open_streams, open_wires
+from ray_ps_plugin._wire.streams import WireStreams
 
 __all__ = ["connect_shards", "open_direct_path"]
 
@@ -27,7 +27,7 @@ def connect_shards(
     shard_nodes: Sequence[str],
     settings: RunSettings,
 ) -> Topology:
-    """Opens each shard's direct data path (if asked for) and hands every shard the
+    """Opens each shard's direct path (if asked for) and hands every shard the
     run's topology.
 
     Args:

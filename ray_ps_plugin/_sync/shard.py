@@ -10,7 +10,7 @@ on the shard (:mod:`ray_ps_plugin._sync.sums`, keyed by the model's id), so two
 models with equal shapes never mix their sums.
 
 Across nodes (see :mod:`ray_ps_plugin._sync.topology`) a shard also listens on a
-direct TCP data path (:mod:`ray_ps_plugin._wire.path`) and, if it is its node's
+direct TCP data path (:mod:`ray_ps_plugin._wire`) and, if it is its node's
 relay, first sums its node's workers' chunks for other nodes' shards and sends one
 partial sum per chunk to the owner; likewise their sparse rows, one message per owner
 and step (:mod:`ray_ps_plugin._sync.row_relay`).
@@ -40,7 +40,7 @@ from ray_ps_plugin._wire.frames import (
     rows_owner,
     unpack_local,
 )
-from ray_ps_plugin._wire.path import WireStreams, await_answer, relay_failure
+from ray_ps_plugin._wire.streams import WireStreams, await_answer, relay_failure
 
 __all__ = ["SumShard"]
 
@@ -55,7 +55,7 @@ class SumShard(TableHost):
         shard_index: This shard's index, used in error messages.
         num_workers: Number of workers whose pushes make up one step.
         timeout_s: How long a push waits for the other workers before it fails.
-        compression: Wire format of pushes and sums through the object store.
+        compression: The encoding of pushes and sums through the object store.
     """
 
     def __init__(
@@ -99,7 +99,7 @@ class SumShard(TableHost):
         return self._topology.describe(source)
 
     async def _on_frame(self, frame: Frame, payload: np.ndarray) -> np.ndarray:
-        """A push that came on the direct data path: from a worker of another node
+        """A push that came on the direct path: from a worker of another node
         that has no relay, or from another node's relay; or a local push, from a
         worker of this node whose chunks lie in shared memory; or a worker's sparse
         rows, or its pull or push of a sharded table's rows."""
@@ -352,7 +352,8 @@ class SumShard(TableHost):
                 )
             )
         answers = [
-            (rows, self._codec.wire_np(sums, dt)) for (rows, sums), (*_, dt) in zip(results, tables)
+            (rows, self._codec.as_sent_np(sums, dt))
+            for (rows, sums), (*_, dt) in zip(results, tables)
         ]
         self._bytes_out += sum(r.nbytes + v.nbytes for r, v in answers)
         return answers
@@ -401,7 +402,7 @@ class SumShard(TableHost):
             if self._relay_streams is None or self._topology is None:
                 raise ShardProtocolError(
                     f"shard {self.shard_index} got chunks to relay to shard {slot.owner} "
-                    "but has no direct data path to it."
+                    "but has no direct path to it."
                 )
             push = asyncio.wrap_future(
                 self._relay_streams.push(

@@ -66,7 +66,7 @@ class ChunkSums:
 
     Args:
         shard_index: The shard's index (error messages).
-        codec: The run's wire format, in which sums pulled by message are encoded.
+        codec: The run's codec, whose encoding sums pulled by message travel in.
         describe: A source id in words, for error messages.
     """
 

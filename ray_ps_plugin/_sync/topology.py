@@ -1,4 +1,4 @@
-"""Who sends each chunk where in sync mode: nodes, relays, and the direct wire.
+"""Who sends each chunk where in sync mode: nodes, relays, and the direct path.
 
 The shards own contiguous ranges of the gradient stream
 (:class:`~ray_ps_plugin._sync.layout.StreamLayout`). Without aggregation every
@@ -21,6 +21,8 @@ builds it), the shards and the workers.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from ray_ps_plugin._relays import relay_shards
 
 __all__ = ["Route", "Topology"]
 
@@ -47,10 +49,10 @@ class Topology:
         worker_nodes: Node index of each worker, by rank.
         shard_nodes: Node index of each shard, by shard index.
         aggregate: Whether nodes with several workers aggregate through a relay.
-        addresses: ``(host, port)`` of each shard's direct data path, or ``None``
+        addresses: ``(host, port)`` of each shard's direct path, or ``None``
             per shard where it has none (then cross-node chunks travel through the
             object store). On one node only sparse rows use it.
-        token: The run's secret for the direct data path (empty without one).
+        token: The run's secret for the direct path (empty without one).
     """
 
     worker_nodes: tuple[int, ...]
@@ -65,12 +67,7 @@ class Topology:
             raise ValueError("a topology needs at least one worker and one shard")
         if self.addresses and len(self.addresses) != len(self.shard_nodes):
             raise ValueError("addresses must name one address (or None) per shard")
-        relays: dict[int, int] = {}
-        if self.aggregate:
-            for node in set(self.worker_nodes):
-                # One worker alone gains nothing from a relay: it would only add a hop.
-                if self.worker_nodes.count(node) > 1 and node in self.shard_nodes:
-                    relays[node] = self.shard_nodes.index(node)
+        relays = relay_shards(self.worker_nodes, self.shard_nodes) if self.aggregate else {}
         object.__setattr__(self, "_relays", relays)
 
     @property

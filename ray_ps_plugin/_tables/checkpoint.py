@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from ray_ps_plugin._tables.client import ShardedTables, Table
+from ray_ps_plugin._tables.client import ShardedTables
+from ray_ps_plugin._tables.table import Table
 
 __all__ = ["load_tables", "save_tables"]
 

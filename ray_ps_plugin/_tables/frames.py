@@ -1,9 +1,9 @@
-"""Sharded tables' pulls and pushes as bytes, for frames on the direct data path.
+"""Sharded tables' pulls and pushes as bytes, for frames on the direct path.
 
 Through Ray a pull or a push of a sharded table's rows is an actor call whose
 arguments and reply go through the object store once they pass about 100 KiB:
 across nodes the rows of a batch cost an object's creation, location and transfer
-each way. On the sync mode's direct TCP path (:mod:`ray_ps_plugin._wire.path`) they
+each way. On the sync mode's direct TCP path (:mod:`ray_ps_plugin._wire`) they
 are one frame each way instead. These functions give both ends the same layout;
 NumPy only, as the shard processes are.
 
@@ -11,10 +11,11 @@ Layouts (little-endian)::
 
     pull    = table(i64) clock(i64) ids(i64 x n)
     answer  = rows(f32 x n x dim)
-    push    = meta_len(i64) meta(JSON, padded to 8 bytes) then per entry:
-              ids(i64 x n) grads(f32 x n x dim)
-    answer  = per entry: steps(i64) n(i64) dim(i64) ids(i64 x n) rows(f32 x n x dim)
+    push    = meta_len(i64) meta(JSON, padded to 8 bytes) then per entry: rows
+    answer  = per entry: steps(i64) n(i64) dim(i64) rows
               (n > 0 only for a replica table: the rows its update changed)
+    rows    = ids(i64 x n) values(f32 x n x dim)   (``_rows.row_bytes``, as every
+              message with rows lays them out)
 
 A push's JSON holds each entry's table, clock, row count, width, optimizer,
 hyperparameters and whether the worker's backward touched the table: a few
@@ -30,9 +31,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from ray_ps_plugin._errors import ShardProtocolError
-from ray_ps_plugin._rows import ByteReader
+from ray_ps_plugin._rows import ByteReader, row_bytes, take_rows
 from ray_ps_plugin._tables.optim import OPTIMIZERS
-from ray_ps_plugin._tables.store import PushAnswer, PushEntry
+from ray_ps_plugin._tables.spec import PushAnswer, PushEntry
 
 __all__ = [
     "pack_pull",
@@ -82,8 +83,7 @@ def pack_push(entries: Sequence[PushEntry]) -> np.ndarray:
     padded[: len(raw)] = np.frombuffer(raw, np.uint8)
     parts = [np.asarray([len(raw)], "<i8").view(np.uint8), padded]
     for _, _, ids, grads, *_ in entries:
-        parts.append(np.ascontiguousarray(ids, "<i8").view(np.uint8).reshape(-1))
-        parts.append(np.ascontiguousarray(grads, "<f4").view(np.uint8).reshape(-1))
+        parts += row_bytes(ids, grads)
     return np.concatenate(parts)
 
 
@@ -99,11 +99,9 @@ def unpack_push(payload: np.ndarray) -> list[PushEntry]:
         meta = json.loads(reader.take(np.uint8, 8 * -(-int(size) // 8))[: int(size)].tobytes())
         out: list[PushEntry] = []
         for m in meta:
-            n, dim = int(m["rows"]), int(m["dim"])
-            if m["optimizer"] not in OPTIMIZERS or n < 0 or dim < 0:
+            if m["optimizer"] not in OPTIMIZERS:
                 raise ValueError(f"bad entry {m}")
-            ids = reader.take("<i8", n)
-            grads = reader.take("<f4", n * dim).reshape(n, dim)
+            ids, grads = take_rows(reader, int(m["rows"]), int(m["dim"]))
             hyper = {str(k): float(v) for k, v in m["hyper"].items()}
             out.append(
                 (int(m["table"]), int(m["clock"]), ids, grads, m["optimizer"], hyper, m["touched"])
@@ -121,8 +119,7 @@ def pack_push_answer(answers: Sequence[PushAnswer]) -> np.ndarray:
     for steps, ids, rows in answers:
         n, dim = len(ids), int(rows.shape[1]) if rows.ndim == 2 else 0
         parts.append(np.asarray([steps, n, dim], "<i8").view(np.uint8))
-        parts.append(np.ascontiguousarray(ids, "<i8").view(np.uint8).reshape(-1))
-        parts.append(np.ascontiguousarray(rows, "<f4").view(np.uint8).reshape(-1))
+        parts += row_bytes(ids, rows)
     return np.concatenate(parts) if parts else np.empty(0, np.uint8)
 
 
@@ -140,10 +137,7 @@ def unpack_push_answer(answer: np.ndarray | Sequence[PushAnswer]) -> list[PushAn
     try:
         while reader.left:
             steps, n, dim = (int(v) for v in reader.take("<i8", 3))
-            if n < 0 or dim < 0:
-                raise ValueError(f"bad answer head {(steps, n, dim)}")
-            ids = reader.take("<i8", n)
-            out.append((steps, ids, reader.take("<f4", n * dim).reshape(n, dim)))
+            out.append((steps, *take_rows(reader, n, dim)))
     except (ValueError, IndexError) as e:
         raise ShardProtocolError(f"a table push's answer is malformed: {e}") from None
     return out

@@ -17,7 +17,8 @@ from ray_ps_plugin._shard import ShardBase
 from ray_ps_plugin._shm import SegmentHandle
 from ray_ps_plugin._tables.frames import pack_push_answer, unpack_pull, unpack_push
 from ray_ps_plugin._tables.optim import TableOptimizer
-from ray_ps_plugin._tables.store import PushAnswer, PushEntry, TableSpec, TableStore
+from ray_ps_plugin._tables.spec import PushAnswer, PushEntry, TableSpec
+from ray_ps_plugin._tables.store import TableStore
 from ray_ps_plugin._wire.frames import TABLE_PULL, TABLE_PUSH, TABLE_WAIT, Frame
 
 __all__ = ["TableHost"]

@@ -107,17 +107,18 @@ def replica_table_names(module: torch.nn.Module) -> list[str]:
     return names
 
 
-def check_tables(module: torch.nn.Module, mode: Mode) -> None:
-    """Refuses, before DDP's constructor communicates, meta tables that cannot work.
+def check_tables(module: torch.nn.Module, on_shards: bool, mode: Mode) -> None:
+    """Refuses, before DDP's constructor communicates, meta tables that cannot work
+    (``on_shards``: whether ``mode`` can train tables on the shards at all).
 
     Raises:
         ValueError: Naming the layer and the fix.
     """
     for name, m in meta_tables(module):
         where = f"The embedding layer {name or type(module).__name__!r} is on the meta device"
-        if mode == "diloco":
+        if not on_shards:
             raise ValueError(
-                f"{where} (a sharded table), which mode='diloco' cannot train: its workers "
+                f"{where} (a sharded table), which mode={mode!r} cannot train: its workers "
                 "take local steps on their own copy of every parameter. Use mode='sync', "
                 "'async' or 'ssp', or build the table on a real device."
             )

@@ -1,4 +1,4 @@
-"""What travels on the direct data path (:mod:`ray_ps_plugin._wire.path`): the frame
+"""What travels on the direct path (:mod:`ray_ps_plugin._wire`): the frame
 format, the run's token, and the blocking helpers both ends read and write frames with.
 
 Frames (little-endian)::

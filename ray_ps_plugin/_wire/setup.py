@@ -2,7 +2,7 @@
 
 Called by the backend once every shard answered ``ready`` (a mode's ``connect``);
 the :class:`Wires` it returns reach every worker with the rest of the run's
-description, and each worker process opens its :class:`~ray_ps_plugin._wire.path.
+description, and each worker process opens its :class:`~ray_ps_plugin._wire.streams.
 WireStreams` from them.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 from ray_ps_plugin._types import RunSettings
 from ray_ps_plugin._wire.frames import TOKEN_BYTES
-from ray_ps_plugin._wire.path import WireStreams
+from ray_ps_plugin._wire.streams import WireStreams
 
 __all__ = ["Wires", "open_streams", "open_wires"]
 

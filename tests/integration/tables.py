@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ray_ps_plugin import get_ps_context
-from ray_ps_plugin._tables.store import TableSpec, init_rows
+from ray_ps_plugin._tables.spec import TableSpec, init_rows
 
 ROWS = (500, 60)  # the bag table's and the padded table's rows
 DIM = 8

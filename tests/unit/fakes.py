@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from ray_ps_plugin._client import ClientSetup
+from ray_ps_plugin._modes import staleness_bound
 from ray_ps_plugin._param.shard import ParamShard, Reply
 from ray_ps_plugin._transport import wait_handles
 from ray_ps_plugin._wire.frames import (
@@ -26,7 +27,7 @@ from ray_ps_plugin._wire.frames import (
     pack_local,
     relayed_rows_key,
 )
-from ray_ps_plugin._wire.path import RemoteError
+from ray_ps_plugin._wire.streams import RemoteError
 
 
 class LoopThread:
@@ -257,6 +258,7 @@ def setup_for(
         local_shards=tuple(local),
         remote_shards=frozenset(remote),
         topology=topology,
+        staleness=staleness_bound(settings),
     )
 
 

@@ -1,4 +1,4 @@
-"""Codec: 16-bit wire formats halve the bytes and round-trip within their precision."""
+"""Codec: 16-bit encodings halve the bytes and round-trip within their precision."""
 
 import numpy as np
 import pytest

@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
+from ray_ps_plugin._modes import staleness_bound
 from ray_ps_plugin._param.diloco_client import DilocoClient
 from ray_ps_plugin._param.diloco_shard import DilocoShard
 from ray_ps_plugin._param.outer import OuterState
 from ray_ps_plugin._param.relay import RoundRelays
-from ray_ps_plugin._types import outer_learning_rate, staleness_bound
+from ray_ps_plugin._types import outer_learning_rate
 from ray_ps_plugin.config import PSConfig
 from tests.unit.fakes import FakeTransport, LoopThread, Settings, setup_for
 

@@ -33,6 +33,7 @@ LAYER_OF = {
     "_codec": PIECES,
     "_sparse": PIECES,
     "_rows": PIECES,
+    "_relays": PIECES,
     "_wire": PIECES,
     "_nonfinite": PIECES,
     "_metrics": PIECES,

@@ -22,7 +22,7 @@ from ray_ps_plugin._tables.client import ShardedTables
 from ray_ps_plugin._tables.layers import optimizer_step_spec, sparse_add_rounds_once
 from ray_ps_plugin._tables.optim import apply_step, fused_axpy, new_state
 from tests.unit.fakes import LoopThread, Settings
-from tests.unit.test_tables import _TableTransport
+from tests.unit.test_tables import COPIES, _TableTransport
 
 _FLOATS = hnp.arrays(
     np.float32,
@@ -171,7 +171,15 @@ def _replicas_against_ddp(sizes, world, shards, kind, seed):
             module = _Bags(sizes)
             transport = _TableTransport(lt, servers)
             tables = ShardedTables(
-                0, module, transport, settings_, rank, world, shards, 0, real_tables="copies"
+                0,
+                module,
+                transport,
+                settings_,
+                rank,
+                world,
+                shards,
+                0,
+                COPIES,
             )
             opt = _OPTIMIZERS[kind](list(module.parameters()), 0.1)
             workers.append((module, opt, tables))

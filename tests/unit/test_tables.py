@@ -13,13 +13,14 @@ import torch.nn.functional as F
 
 from ray_ps_plugin import _torch_compat
 from ray_ps_plugin._errors import PSError, ShardProtocolError, ShardTimeoutError
+from ray_ps_plugin._modes import MODE_SPECS
 from ray_ps_plugin._param.shard import ParamShard
 from ray_ps_plugin._rows import row_bounds
 from ray_ps_plugin._sync.shard import SumShard
-from ray_ps_plugin._tables import client as _table_client
-from ray_ps_plugin._tables import store as _table_store
+from ray_ps_plugin._tables import spec as _table_spec
+from ray_ps_plugin._tables import table as _table_table
 from ray_ps_plugin._tables.checkpoint import load_tables, save_tables
-from ray_ps_plugin._tables.client import ShardedTables
+from ray_ps_plugin._tables.client import ShardedTables, TableMode
 from ray_ps_plugin._tables.frames import (
     pack_pull,
     pack_push,
@@ -34,10 +35,14 @@ from ray_ps_plugin._tables.layers import (
     replica_table_names,
     skipped_in_apply,
 )
-from ray_ps_plugin._tables.store import TableSpec, TableStore, init_rows
+from ray_ps_plugin._tables.spec import TableSpec, init_rows
+from ray_ps_plugin._tables.store import TableStore
 from ray_ps_plugin._wire.frames import TABLE_PULL, TABLE_PUSH
 from tests.unit.fakes import FakeDirect, FakeTransport, LoopThread, Settings, _copy
 
+#: Real tables stepped on the shards: sync copies, async look-ups.
+COPIES = TableMode(sync=True, staleness=0, real="copies")
+LOOKUPS = TableMode(sync=False, staleness=None, real="lookups")
 SGD_1 = {"lr": 1.0, "maximize": 0.0}
 ADAM = {"lr": 0.01, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "maximize": 0.0}
 
@@ -58,7 +63,7 @@ def _grads(n, dim, value=1.0):
 
 
 def test_initial_rows_do_not_depend_on_how_the_table_is_cut(monkeypatch):
-    monkeypatch.setattr(_table_store, "INIT_BLOCK_ROWS", 7)
+    monkeypatch.setattr(_table_spec, "INIT_BLOCK_ROWS", 7)
     spec = _spec(rows=50, dim=4, padding_idx=13, seed=5)
     whole = init_rows(spec, 2, 0, 50)
     for cuts in ([0, 3, 7, 8, 20, 21, 49, 50], [0, 1, 2, 13, 14, 50], [0, 50]):
@@ -76,7 +81,7 @@ def test_initial_rows_do_not_depend_on_how_the_table_is_cut(monkeypatch):
 
 
 def test_initial_rows_across_a_real_block_boundary_are_the_same_rows():
-    block = _table_store.INIT_BLOCK_ROWS
+    block = _table_spec.INIT_BLOCK_ROWS
     spec = _spec(rows=block + 10, dim=1, seed=9)
     whole = init_rows(spec, 0, 0, block + 10)
     cuts = [0, block - 3, block, block + 2, block + 10]
@@ -565,18 +570,21 @@ class _MyEmbedding(torch.nn.Embedding):
 )
 def test_check_tables_refuses_a_meta_table_it_cannot_train_naming_the_layer(emb, mode, says):
     with pytest.raises(ValueError, match=r"'emb'") as info:
-        check_tables(_Model(emb()), mode)
+        check_tables(_Model(emb()), MODE_SPECS[mode].tables_on_shards, mode)
     assert says in str(info.value)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
 def test_check_tables_accepts_a_plain_sparse_meta_bag_and_ignores_real_tables(mode):
-    check_tables(_Model(torch.nn.EmbeddingBag(8, 4, sparse=True, device="meta")), mode)
-    check_tables(_Model(torch.nn.Embedding(8, 4, sparse=True, device="meta")), mode)
+    check_tables(_Model(torch.nn.EmbeddingBag(8, 4, sparse=True, device="meta")), True, mode)
+    check_tables(_Model(torch.nn.Embedding(8, 4, sparse=True, device="meta")), True, mode)
     # Tables on a real device are ordinary parameters, in every mode.
     for m in (mode, "diloco"):
-        check_tables(_Model(torch.nn.Embedding(8, 4, max_norm=1.0, dtype=torch.bfloat16)), m)
-        check_tables(_Model(_MyEmbedding(8, 4)), m)
+        on_shards = MODE_SPECS[m].tables_on_shards
+        check_tables(
+            _Model(torch.nn.Embedding(8, 4, max_norm=1.0, dtype=torch.bfloat16)), on_shards, m
+        )
+        check_tables(_Model(_MyEmbedding(8, 4)), on_shards, m)
 
 
 # --- torch compat ---------------------------------------------------------------------
@@ -686,7 +694,8 @@ def _build(loop, shards, seed, world=1, rank=0, servers=None, local=(), direct=F
         transport.direct = FakeDirect(loop, servers)
     module = _Tables("meta")
     settings = Settings(mode="sync", ps_timeout_s=5.0)
-    tables = ShardedTables(0, module, transport, settings, rank, world, shards, seed, local)
+    mode = TableMode(sync=True, staleness=0)
+    tables = ShardedTables(0, module, transport, settings, rank, world, shards, seed, mode, local)
     return module, transport, tables
 
 
@@ -812,7 +821,7 @@ def test_two_sync_workers_tables_step_as_ddp_averaging_their_gradients(loop, dir
     def use(rank):
         # One process holds both workers here: each layer finds its own worker's table
         # (in a run, each worker process has its own).
-        _table_client._LIVE.update(live[rank])
+        _table_table._LIVE.update(live[rank])
         return workers[rank]
 
     try:
@@ -1022,7 +1031,15 @@ def _replica_worker(loop, servers, rank, world, direct=False):
     module = _Tables("cpu")
     settings = Settings(mode="sync", ps_timeout_s=5.0, sparse_optimizer="shards")
     tables = ShardedTables(
-        0, module, transport, settings, rank, world, len(servers), 0, real_tables="copies"
+        0,
+        module,
+        transport,
+        settings,
+        rank,
+        world,
+        len(servers),
+        0,
+        COPIES,
     )
     return module, transport, tables
 
@@ -1239,7 +1256,17 @@ def test_async_looks_a_real_tables_rows_up_on_the_shards_and_checkpoints_them(lo
         torch.manual_seed(rank)  # different copies: only rank 0's reach the shards
         module = _Tables("cpu")
         transport = _TableTransport(loop, servers)
-        tables = ShardedTables(0, module, transport, settings, rank, 2, 2, 0, real_tables="lookups")
+        tables = ShardedTables(
+            0,
+            module,
+            transport,
+            settings,
+            rank,
+            2,
+            2,
+            0,
+            LOOKUPS,
+        )
         workers.append((module, torch.optim.SGD(module.parameters(), lr=0.5), tables))
     torch.manual_seed(0)
     ref = _Tables("cpu")

@@ -23,7 +23,9 @@ def test_checked_against_the_installed_torch():
 def test_the_private_names_exist_and_the_subclass_overrides_the_hook_method():
     assert _torch_compat.missing_names() == []
     name = _torch_compat.BUILTIN_COMM_HOOK_METHOD
-    assert name in vars(_ddp.PSDistributedDataParallel), "the override was renamed"
+    assert name in vars(_torch_compat.BuiltinHookGuard), "the override was renamed"
+    mro = _ddp.PSDistributedDataParallel.__mro__
+    assert mro.index(_torch_compat.BuiltinHookGuard) < mro.index(DistributedDataParallel)
 
 
 def test_a_ddp_keeps_its_hooks_under_the_attribute_that_is_dropped_on_pickling():

@@ -15,7 +15,7 @@ from ray_ps_plugin._rows import pack, unpack
 from ray_ps_plugin._sync.shard import SumShard
 from ray_ps_plugin._sync.topology import Route, Topology
 from ray_ps_plugin._wire.frames import PUSH, ROWS, Frame, relayed_rows_key
-from ray_ps_plugin._wire.path import WireStreams
+from ray_ps_plugin._wire.streams import WireStreams
 
 TOKEN = bytes(range(32))
 TWO_BY_TWO = Topology(worker_nodes=(0, 0, 1, 1), shard_nodes=(0, 0, 1, 1))
@@ -215,7 +215,7 @@ def test_workers_of_the_shards_node_push_through_shared_memory_and_a_socket_noti
     """Two workers of shard 0's node write their chunks into shared memory and tell
     the shard on its data-path socket (no Ray call): the sums land in the output
     segment, a rank the shard does not know is refused with the reason, and a notice
-    names its chunks exactly (the wire format round-trips)."""
+    names its chunks exactly (the frame layout round-trips)."""
     from ray_ps_plugin._shm import Segment
     from ray_ps_plugin._wire.frames import pack_local, unpack_local
 
@@ -308,7 +308,7 @@ def test_a_closed_server_ends_its_connection_threads_and_fails_the_pushers_waits
     import threading
     import time
 
-    from ray_ps_plugin._wire.path import WireServer
+    from ray_ps_plugin._wire.server import WireServer
 
     names = ("ps-wire-serve", "ps-wire-answer")
 
