@@ -8,6 +8,7 @@ torn down. The controller owns the shard actors, so they die with it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Protocol
 
@@ -21,10 +22,18 @@ from ray.util.scheduling_strategies import (
 
 from ray_ps_plugin import _runtime
 from ray_ps_plugin._modes import spec_of
-from ray_ps_plugin._ray_compat import TorchBackend, worker_placement_group, worker_places
+from ray_ps_plugin._ray_compat import (
+    TorchBackend,
+    ended_cleanly,
+    group_ranks,
+    is_replica_group,
+    kill_workers,
+    worker_placement_group,
+    worker_places,
+)
 from ray_ps_plugin._types import RunSettings, ServerPlacement
 
-__all__ = ["BackendSettings", "PSBackend", "shard_placements"]
+__all__ = ["BackendSettings", "PSBackend", "PSKeepingBackend", "shard_placements"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,20 +98,31 @@ class PSBackend(TorchBackend):
 
     Runs inside Ray Train's controller actor. The controller owns the shard actors,
     so they die with it even when Tune aborts a trial without calling
-    ``on_shutdown``.
+    ``on_shutdown``. Where the mode's shards own the run's state (async, ssp,
+    diloco: :class:`PSKeepingBackend`), a worker's loss costs its process alone, and
+    a restart of the whole group takes the shards' state along.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self._servers: list[Any] = []
+        self._info: _runtime.RunInfo | None = None
+        # After a stop that is not the run's end: each shard's exported state (object
+        # refs owned by this controller), for the next group's shards.
+        self._exported: list[Any] | None = None
+        self._group: Any = None  # the whole worker group, from its last full start
 
     def on_start(self, worker_group: Any, backend_config: BackendConfig) -> None:
         cfg = _settings(backend_config)
         assert isinstance(backend_config, TorchConfig)  # _settings checked it
+        if is_replica_group(worker_group):
+            self._admit(worker_group, backend_config, cfg)
+            return
         try:
             # The torch process group stays: DDP's constructor broadcasts rank 0's
             # parameters and buffers through it so all workers start identical.
             super().on_start(worker_group, backend_config)
+            self._group = worker_group
             self._start_servers(worker_group, cfg)
         except BaseException:
             # Ray calls no on_shutdown when on_start raises: undo here.
@@ -121,8 +141,13 @@ class PSBackend(TorchBackend):
 
     def _start_servers(self, worker_group: Any, cfg: BackendSettings) -> None:
         num_workers = len(worker_group)
+        exported, self._exported = self._exported, None
+        # A restart keeps the shards' count (and so each shard's slice): the
+        # workers' number may have changed (an elastic resize).
         placements = shard_placements(
-            worker_group, cfg.num_servers, per_node=_per_node(worker_group, cfg)
+            worker_group,
+            len(exported) if exported else cfg.num_servers,
+            per_node=False if exported else _per_node(worker_group, cfg),
         )
         spec = spec_of(cfg)
         actor_cls: Any = ray.remote(self.shard_class(cfg))
@@ -136,31 +161,38 @@ class PSBackend(TorchBackend):
                     max_concurrency=spec.max_concurrency,
                 ).remote(i, num_workers, *args)
             )
-        try:
-            ready = ray.get(
-                [s.ready.remote() for s in self._servers], timeout=cfg.ps_start_timeout_s
-            )
-        except ray.exceptions.GetTimeoutError as e:
-            raise TimeoutError(
-                f"{len(placements)} parameter-server shard(s) did not start within "
-                f"ps_start_timeout_s={cfg.ps_start_timeout_s:g}s."
-            ) from e
+        ready = _bounded(
+            [s.ready.remote() for s in self._servers],
+            cfg.ps_start_timeout_s,
+            f"{len(placements)} parameter-server shard(s) did not start",
+        )
+        if exported:
+            calls = [s.import_state.remote(e) for s, e in zip(self._servers, exported)]
+            _bounded(calls, cfg.ps_timeout_s, "the shards did not take the kept state")
         server_nodes = [r["node_id"] for r in ready]
         worker_nodes = [p.node_id for p in worker_places(worker_group)]
         connect = spec.connect
-        info = _runtime.RunInfo(
+        self._info = _runtime.RunInfo(
             settings=cfg,
             servers=list(self._servers),
             server_node_ids=server_nodes,
             topology=connect(self._servers, worker_nodes, server_nodes, cfg) if connect else None,
+            joined=bool(exported),
         )
-        ray.get(worker_group.execute_async(_runtime.install_run, info), timeout=cfg.ps_timeout_s)
+        install = worker_group.execute_async(_runtime.install_run, self._info)
+        ray.get(install, timeout=cfg.ps_timeout_s)
         logger.info(
-            "Started %d parameter-server shard(s) for %d workers.", len(placements), num_workers
+            "Started %d parameter-server shard(s) for %d workers%s.",
+            len(placements),
+            num_workers,
+            ", with the state the previous ones held" if exported else "",
         )
 
     def on_shutdown(self, worker_group: Any, backend_config: BackendConfig) -> None:
         cfg = _settings(backend_config)
+        if is_replica_group(worker_group):
+            self._release(worker_group, backend_config, cfg)
+            return
         try:
             ray.get(
                 worker_group.execute_async(_runtime.uninstall_run),
@@ -169,8 +201,66 @@ class PSBackend(TorchBackend):
         except Exception as e:
             logger.warning("Could not reach every worker on shutdown: %s", e)
         finally:
+            if spec_of(cfg).keeps_state and not ended_cleanly(worker_group):
+                self._export(cfg)
             self._stop_servers()
             super().on_shutdown(worker_group, backend_config)
+
+    def _export(self, cfg: BackendSettings) -> None:
+        """Keeps the shards' state for the group Ray Train starts next (a failure
+        every worker saw, an elastic resize): the shards die with the old group's
+        placement group, their state lives on as objects this controller owns."""
+        refs = [s.export_state.remote() for s in self._servers]
+        try:
+            ray.wait(refs, num_returns=len(refs), timeout=cfg.ps_timeout_s)
+            ray.get(refs, timeout=0)  # raises if a shard was already lost
+        except Exception as e:
+            logger.warning(
+                "The parameter servers' state could not be kept (%s): the next workers "
+                "start from the last checkpoint.",
+                e,
+            )
+            return
+        self._exported = refs
+
+    def _admit(self, group: Any, backend_config: TorchConfig, cfg: BackendSettings) -> None:
+        """A replica group replaced a lost worker: the shards wait for its rank again
+        and the new worker joins them (its own torch process group: the others'
+        still includes the dead one, and the modes that replace workers alone use
+        no collective while training)."""
+        super().on_start(group, backend_config)
+        ranks = group_ranks(group)
+        calls = [s.admit.remote(r) for s in self._servers for r in ranks]
+        try:
+            _bounded(calls, cfg.ps_timeout_s, f"the shards did not admit rank(s) {ranks}")
+        except Exception as e:
+            # A lost shard took its part of the state with it: only a restart of
+            # every worker, from the last checkpoint, can go on.
+            logger.error(
+                "A parameter-server shard is lost (%s): every worker restarts, from the "
+                "last checkpoint.",
+                e,
+            )
+            kill_workers(self._group)
+            return
+        assert self._info is not None
+        info = dataclasses.replace(self._info, joined=True)
+        ray.get(group.execute_async(_runtime.install_run, info), timeout=cfg.ps_timeout_s)
+        logger.info("Rank(s) %s joined the live parameter-server shards.", ranks)
+
+    def _release(self, group: Any, backend_config: BackendConfig, cfg: BackendSettings) -> None:
+        """A replica group's worker was lost: no shard waits for its rank any more,
+        while the other workers go on."""
+        ranks = group_ranks(group)
+        calls = [s.leave.remote(r) for s in self._servers for r in ranks]
+        try:
+            _bounded(calls, cfg.ps_timeout_s, f"the shards did not let rank(s) {ranks} go")
+        except Exception as e:
+            logger.warning("%s", e)
+        try:
+            super().on_shutdown(group, backend_config)
+        except Exception as e:  # the worker is dead; its process group goes with it
+            logger.debug("shutting down rank(s) %s: %s", ranks, e)
 
     def _stop_servers(self) -> None:
         # ray.kill returns at once (no wait to bound); the actors' bundles are
@@ -178,6 +268,27 @@ class PSBackend(TorchBackend):
         servers, self._servers = self._servers, []
         for s in servers:
             ray.kill(s, no_restart=True)
+
+
+class PSKeepingBackend(PSBackend):
+    """The backend of modes whose shards own the run's state (async, ssp, diloco),
+    with ``replace_lost_workers``: with Ray Train's replica groups of one worker
+    each, a failed worker is replaced alone while the others go on, and joins the
+    live shards."""
+
+    has_replica_groups = True
+
+
+def _bounded(refs: list[Any], timeout_s: float, what: str) -> list[Any]:
+    """``ray.get(refs)`` within ``timeout_s``.
+
+    Raises:
+        TimeoutError: Saying ``what`` and the bound.
+    """
+    try:
+        return list(ray.get(refs, timeout=timeout_s))
+    except ray.exceptions.GetTimeoutError as e:
+        raise TimeoutError(f"{what} within {timeout_s:g}s.") from e
 
 
 def _settings(backend_config: BackendConfig) -> BackendSettings:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ import torch
 from ray_ps_plugin._metrics import WorkerMetrics
 from ray_ps_plugin._nonfinite import NonFiniteGuard
 from ray_ps_plugin._stats import PSStats
+from ray_ps_plugin._transport import Handle, Transport, wait_all
 from ray_ps_plugin._types import RunSettings
 
 if TYPE_CHECKING:
@@ -50,6 +52,9 @@ class ClientSetup:
         metrics: Exports the counters through ``ray.util.metrics``, if available.
         topology: The run's topology from the mode's start-up (sync), or ``None``.
         staleness: The clock gap the shards allow (``None``: no bound).
+        joined: Whether the shards already hold the run's state (this worker
+            replaces a lost one, or its group restarted): the client takes their
+            parameters and clocks instead of seeding them.
     """
 
     model_id: int
@@ -64,6 +69,7 @@ class ClientSetup:
     metrics: WorkerMetrics | None = None
     topology: Any = None
     staleness: int | None = None
+    joined: bool = False
 
 
 def _trainable_flags(module: torch.nn.Module) -> tuple[tuple[str, bool], ...]:
@@ -80,9 +86,15 @@ class ClientBase(abc.ABC):
             rather than flags raised on the summed ones (sync).
     """
 
+    #: How calls reach the shards (set by each mode's client).
+    _transport: Transport
+
     def __init__(self, setup: ClientSetup, num_shards: int, check_local: bool) -> None:
         self.setup = setup
         self.model_id = setup.model_id
+        #: The clock this worker went on from: 0, or where the shards held its rank
+        #: when it joined them (see ``ClientSetup.joined``).
+        self.start_clock = 0
         self.rank = setup.rank
         self.world_size = setup.world_size
         self.settings = setup.settings
@@ -132,6 +144,12 @@ class ClientBase(abc.ABC):
     def flush(self) -> None:
         """Waits until this worker's updates are applied on every shard."""
         self.raise_pending()
+
+    @property
+    def start_step(self) -> int:
+        """The optimizer step this worker went on from (``start_clock`` counts steps
+        here; a mode whose clock counts something else says how many steps)."""
+        return self.start_clock
 
     def finish(self, clean: bool = True) -> None:
         """Called once when the training function ends.
@@ -219,6 +237,26 @@ class ClientBase(abc.ABC):
                 clocks=list(self._stats.clocks),
                 skipped_steps=self.guard.skipped,
             )
+
+    def _wait_counted(self, handles: list[Handle[Any]], what: str) -> list[Any]:
+        """:meth:`_wait`, with the time blocked added to ``PSStats.wait_s``."""
+        started = time.perf_counter()
+        results = self._wait(handles, what)
+        with self._lock:
+            self._stats.wait_s += time.perf_counter() - started
+        return results
+
+    def _wait(self, handles: list[Handle[Any]], what: str) -> list[Any]:
+        """The results of one call per shard, in shard order, bounded by
+        ``ps_timeout_s`` (an error names the shard and ``what``)."""
+        shards = list(range(len(handles)))
+        return wait_all(
+            self._transport,
+            handles,
+            shards,
+            self.settings.ps_timeout_s,
+            f"rank {self.rank}: model {self.model_id}: {what}",
+        )
 
 
 class ModelHook:

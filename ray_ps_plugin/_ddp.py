@@ -177,6 +177,7 @@ def attach(ddp: PSDistributedDataParallel) -> None:
             seed=_table_seed(),
             mode=mode,
             local_shards=setup.local_shards,
+            joined=setup.joined,
         )
         _runtime.register_tables(tables)
 

@@ -64,6 +64,10 @@ class ModeSpec:
             slowest, given the config (``None``: no bound).
         sums_tables: Whether a table's pushes of one clock are summed and applied
             together (sync), rather than each as it comes.
+        keeps_state: Whether the shards own the run's state (parameters, and
+            clocks) rather than a step's sums: then a lost worker is replaced alone
+            and joins the live shards, and a restart of every worker takes the
+            shards' state along instead of going back to a checkpoint.
         relays_chunks: Whether a node's first shard sums the node's workers' chunks
             before they cross the network (sync), so ``server_placement="auto"``
             may start one shard per node instead of one per worker.
@@ -82,6 +86,7 @@ class ModeSpec:
     direct_path: Callable[[RunSettings, Any], DirectPath | None] | None = None
     bound: Callable[[RunSettings], int | None] = lambda cfg: None
     sums_tables: bool = False
+    keeps_state: bool = True
     sparse_optimizer: SparseOptimizer = "workers"
     tables_on_shards: bool = True
     table_copies: bool = False
@@ -100,6 +105,7 @@ _SUM = ModeSpec(
     relays_chunks=True,
     bound=lambda cfg: 0,
     sums_tables=True,
+    keeps_state=False,
 )
 _ASYNC = ModeSpec(
     shard_cls=ParamShard,

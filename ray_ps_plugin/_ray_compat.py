@@ -23,6 +23,11 @@ from ray.train.torch.config import TorchConfigContextManager, _TorchBackend
 # (ray/train/v2/_internal/execution/callback.py).
 from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 
+# Checked against Ray 2.60.0: a backend with ``has_replica_groups`` gets ``on_start`` and
+# ``on_shutdown`` with one replaced ``ReplicaGroup`` (ray/train/v2/_internal/execution/
+# worker_group/execution_group.py) as well as with the whole ``WorkerGroup``.
+from ray.train.v2._internal.execution.worker_group import ReplicaGroup
+
 __all__ = [
     "CHECKED_RAY_VERSION",
     "ControllerCallback",
@@ -31,6 +36,10 @@ __all__ = [
     "WorkerGroupCallback",
     "WorkerPlace",
     "actor_table",
+    "ended_cleanly",
+    "group_ranks",
+    "is_replica_group",
+    "kill_workers",
     "ping_actor",
     "trial_storage",
     "worker_placement_group",
@@ -110,3 +119,38 @@ def actor_table() -> list[dict[str, Any]]:
     import ray._private.state
 
     return list(ray._private.state.actors().values())
+
+
+def is_replica_group(group: Any) -> bool:
+    """Whether a backend hook got one replaced replica group, not the worker group."""
+    return isinstance(group, ReplicaGroup)
+
+
+def group_ranks(group: Any) -> list[int]:
+    """The world ranks of a worker or replica group's workers.
+
+    Checked against Ray 2.60.0: ``Worker.distributed_context.world_rank``.
+    """
+    return [w.distributed_context.world_rank for w in group.get_workers()]
+
+
+def kill_workers(group: Any) -> None:
+    """Kills every worker process of a worker group (Ray Train then restarts them).
+
+    Checked against Ray 2.60.0: ``Worker.actor``, the worker's actor handle.
+    """
+    import ray
+
+    for w in group.get_workers():
+        ray.kill(w.actor, no_restart=True)
+
+
+def ended_cleanly(worker_group: Any) -> bool:
+    """Whether every worker's training function returned without an error (the
+    run is over), as the controller's latest poll saw it.
+
+    Checked against Ray 2.60.0: ``WorkerGroup.get_latest_poll_status()`` returns a
+    ``WorkerGroupPollStatus`` with ``finished`` and ``errors``.
+    """
+    status = worker_group.get_latest_poll_status()
+    return status is not None and bool(status.finished) and not status.errors

@@ -57,13 +57,18 @@ class RunInfo:
         servers: Actor handles of the shards, in shard order.
         server_node_ids: Node id of each shard.
         topology: What the mode's start-up found (sync: who relays for whom and
-            the shards' direct paths); ``None`` in async/ssp.
+            the shards' direct paths; async/ssp: their direct paths).
+        joined: Whether the shards already hold the run's state when this worker
+            starts: it replaces a lost worker, or its whole group restarted while
+            the shards' state was kept. Its models then take the shards'
+            parameters and go on from the clocks the shards hold for its rank.
     """
 
     settings: RunSettings
     servers: Sequence[Any]
     server_node_ids: Sequence[str]
     topology: Any = None
+    joined: bool = False
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,14 @@ class PSContext:
     world_size: int
     shared_memory_shards: tuple[int, ...] = ()
     num_models: int = 0
+
+    @property
+    def start_step(self) -> int:
+        """The step the most recently prepared model goes on from: 0 on a fresh
+        start; where the shards held this rank when it joined them (it replaces a
+        lost worker, or its group restarted: async, ssp and diloco keep the
+        shards' state), so a loop can move its data ahead instead of repeating it."""
+        return _CLIENTS[-1].start_step if _CLIENTS else 0
 
     @property
     def stats(self) -> PSStats:
@@ -275,6 +288,7 @@ def client_setup(module: torch.nn.Module, info: RunInfo) -> ClientSetup:
         metrics=_worker_metrics(info.settings.mode, rank, len(_CLIENTS)),
         topology=info.topology,
         staleness=staleness_bound(info.settings),
+        joined=info.joined,
     )
 
 

@@ -24,7 +24,7 @@ from ray_ps_plugin._metrics import ShardMetrics
 from ray_ps_plugin._wire.frames import Frame
 from ray_ps_plugin._wire.server import WireServer
 
-__all__ = ["MAX_MODELS", "ShardBase"]
+__all__ = ["MAX_MODELS", "ShardBase", "rejoin_clock", "resized"]
 
 logger = logging.getLogger(__name__)
 
@@ -140,3 +140,21 @@ class ShardBase:
             "duplicates": self._duplicates,
             "uptime_s": time.time() - self._started,
         }
+
+
+def rejoin_clock(clocks: list[int], finished: set[int], rank: int, bounded: bool) -> int:
+    """The clock a (re)joining worker continues from: its own, or, where the shards
+    bound the clock gap, at least the slowest worker still training's, so that no
+    one waits for it to catch up."""
+    others = [c for r, c in enumerate(clocks) if r not in finished and r != rank]
+    own = clocks[rank] if rank < len(clocks) else 0
+    return max(own, min(others)) if bounded and others else own
+
+
+def resized(clocks: list[int], num_workers: int, finished: set[int], bounded: bool) -> list[int]:
+    """``clocks`` for a run of ``num_workers`` workers (an elastic restart): ranks
+    that remain keep theirs, new ranks join as :func:`rejoin_clock` says."""
+    out = list(clocks[:num_workers]) + [0] * max(0, num_workers - len(clocks))
+    for rank in range(len(clocks), num_workers):
+        out[rank] = rejoin_clock(out[: len(clocks)], finished, rank, bounded) if clocks else 0
+    return out

@@ -16,7 +16,7 @@ from typing import Any
 
 from ray.train.torch import TorchConfig
 
-from ray_ps_plugin._backend import PSBackend
+from ray_ps_plugin._backend import PSBackend, PSKeepingBackend
 from ray_ps_plugin._ddp import PSTrainFuncContext
 from ray_ps_plugin._modes import MODE_SPECS
 from ray_ps_plugin._ray_compat import TorchBackend, TorchConfigContextManager
@@ -134,6 +134,17 @@ class PSConfig(TorchConfig):
             round's local steps (one round of delay: the answer is installed at the
             end of the next round, plus the local progress since). Hides the
             transfer; changes the maths, so off by default.
+        replace_lost_workers: ``"async"``, ``"ssp"``, ``"diloco"``, whose shards own
+            the run's state: whether a lost worker is replaced alone while the
+            others go on (Ray Train's replica groups of one worker each), or every
+            worker restarts (``False``, as under DDP). Either way the shards' state
+            is kept: a replacement or a restarted worker takes their parameters and
+            goes on from the step ``get_ps_context().start_step`` names, and a
+            checkpoint loaded then does not roll them back. A replaced worker must
+            make the same ``ray.train.report``/collective calls from that step on as
+            the others (start the loop at ``start_step``); a loop that cannot
+            (a barrier after loading its checkpoint, say) needs ``False``. Ignored
+            in ``"sync"``, which restarts every worker from its checkpoint, as DDP.
         sparse_optimizer: Where the optimizer of sparse embedding tables
             (``nn.Embedding`` / ``nn.EmbeddingBag`` with ``sparse=True`` on a real
             device) runs. ``"workers"``: each worker's optimizer steps its own copy
@@ -181,6 +192,7 @@ class PSConfig(TorchConfig):
     outer_momentum: float = 0.9
     diloco_rounds: RoundMode = "sync"
     diloco_overlap: bool = False
+    replace_lost_workers: bool = True
     sparse_optimizer: SparseOptimizer | None = None
 
     def __post_init__(self) -> None:
@@ -199,7 +211,7 @@ class PSConfig(TorchConfig):
             _check_choice("compression", self.compression, COMPRESSIONS)
         _check_choice("server_placement", self.server_placement, SERVER_PLACEMENTS)
         _check_choice("data_path", self.data_path, DATA_PATHS)
-        for name in ("shared_memory", "node_aggregation", "diloco_overlap"):
+        for name in ("shared_memory", "node_aggregation", "diloco_overlap", "replace_lost_workers"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(
@@ -259,7 +271,10 @@ class PSConfig(TorchConfig):
 
     @property
     def backend_cls(self) -> type[TorchBackend]:
-        return TorchBackend if self.strategy == "ddp" else PSBackend
+        if self.strategy == "ddp":
+            return TorchBackend
+        replaces = MODE_SPECS[self.mode].keeps_state and self.replace_lost_workers
+        return PSKeepingBackend if replaces else PSBackend
 
     @property
     def train_func_context(self) -> Any:

@@ -27,9 +27,9 @@ the only one in ``"async"``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,8 +39,8 @@ from ray_ps_plugin._codec import Codec, to_numpy
 from ray_ps_plugin._nonfinite import all_finite
 from ray_ps_plugin._param.flat import FlatParams
 from ray_ps_plugin._param.layout import single_dtype, split_bounds
-from ray_ps_plugin._param.shard import Reply
-from ray_ps_plugin._transport import Handle, Lane, Transport, mapped, open_lanes, wait_all
+from ray_ps_plugin._param.reply import InFlight, Reply
+from ray_ps_plugin._transport import Handle, Lane, Transport, mapped, open_lanes
 
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
@@ -48,13 +48,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["ParamClient"]
-
-
-@dataclass
-class _InFlight:
-    clock: int
-    handles: list[Handle[Any]]
-    started: float
 
 
 class ParamClient(ClientBase):
@@ -104,7 +97,7 @@ class ParamClient(ClientBase):
         ]
         self._clock = 0
         self._stamp = 0  # slowest worker's clock contained in the installed parameters
-        self._inflight: _InFlight | None = None
+        self._inflight: InFlight | None = None
         self._installed = True  # whether the in-flight push's reply is in the model
         self._first_forward = True  # no forward yet since the last optimizer step
         self._counted_step = -1
@@ -126,10 +119,24 @@ class ParamClient(ClientBase):
         them; ``load_state_dict()`` afterwards hands the loaded parameters to the
         shards, so a resume after ``prepare_model`` is not overwritten.
         """
-        self._start()
+        if self.setup.joined:
+            self._join()
+        else:
+            self._start()
         module = self.setup.module
         module.register_state_dict_pre_hook(ModelHook(module, self.sync))
         module.register_load_state_dict_post_hook(ModelHook(module, self.reseed))
+
+    def _join(self) -> None:
+        """Takes the live shards' parameters (not rank 0's, nor DDP's broadcast) and
+        goes on from the clock the shards hold for this rank: what a worker that
+        died here had applied counts, what it had in flight was applied whole or not
+        at all, and nothing is pushed twice."""
+        replies = self._pull(0)
+        self._clock = self.start_clock = max(r.clocks[self.rank] for r in replies)
+        self._stamp = min(r.slowest for r in replies)
+        with self._lock:
+            self._stats.clock = self._stats.steps = self._clock
 
     def _start(self) -> None:
         """Rank 0 seeds the shards with its parameters (identical on every rank
@@ -218,7 +225,7 @@ class ParamClient(ClientBase):
         # A reply ssp already installed before the forward pass is the base now:
         # it is neither installed nor counted a second time.
         self._advance(None if self._installed else previous, self._clock % 2)
-        self._inflight = _InFlight(self._clock + 1, self._push(), time.perf_counter())
+        self._inflight = InFlight(self._clock + 1, self._push(), time.perf_counter())
         self._installed = False
 
     def _push(self) -> list[Handle[Any]]:
@@ -279,24 +286,37 @@ class ParamClient(ClientBase):
         not this worker's possibly stale copy.
         """
         self.flush()
+        self._pull(self._clock)
+
+    def _pull(self, clock: int) -> list[Reply]:
+        """Installs the shards' current parameters, as fresh as a worker at
+        ``clock`` may train on; returns the replies."""
         # Nothing is in flight now, so either output slot is free; the next push
         # (clock + 1) will answer in the other one.
-        slot = self._clock % 2
+        slot = clock % 2
         handles = [
-            self._transport.call(s, "pull_local", self.model_id, self.rank, self._clock, slot)
+            self._transport.call(s, "pull_local", self.model_id, self.rank, clock, slot)
             if s in self._lanes
-            else self._transport.call(s, "pull", self.model_id, self.rank, self._clock)
+            else self._transport.call(s, "pull", self.model_id, self.rank, clock)
             for s in range(self.num_shards)
         ]
-        self._install(self._wait(handles, "a parameter pull"), slot)
+        replies = self._wait(handles, "a parameter pull")
+        self._install(replies, slot)
+        return replies
 
     def reseed(self) -> None:
         """Hands parameters just loaded into the model to the shards.
 
         Every worker that loads waits until rank 0's copy is on the shards, so no
-        worker pushes an update relative to values the shards do not hold.
+        worker pushes an update relative to values the shards do not hold. A worker
+        that joined live shards does not roll them back to an older checkpoint: the
+        model takes the shards' parameters again (see :meth:`_join`).
         """
         self.flush()
+        if self.setup.joined:
+            _warn_kept_live(self.rank)
+            self._pull(self._clock)
+            return
         self._generation += 1
         self._flat.snapshot()
         base = to_numpy(self._flat.base)
@@ -410,20 +430,12 @@ class ParamClient(ClientBase):
             self._stats.staleness_max = max(self._stats.staleness_max, gap)
             self._stats.staleness_mean = self._gaps_sum / self._samples
 
-    def _wait_counted(self, handles: list[Handle[Any]], what: str) -> list[Any]:
-        """:meth:`_wait`, with the time blocked added to ``PSStats.wait_s``."""
-        started = time.perf_counter()
-        results = self._wait(handles, what)
-        with self._lock:
-            self._stats.wait_s += time.perf_counter() - started
-        return results
 
-    def _wait(self, handles: list[Handle[Any]], what: str) -> list[Any]:
-        shards = list(range(len(handles)))
-        return wait_all(
-            self._transport,
-            handles,
-            shards,
-            self.settings.ps_timeout_s,
-            f"rank {self.rank}: model {self.model_id}: {what}",
-        )
+@functools.cache
+def _warn_kept_live(rank: int) -> None:
+    logger.warning(
+        "rank %d: load_state_dict() after joining live parameter servers keeps their "
+        "parameters, which hold every update applied since the checkpoint; the loaded "
+        "values are not sent to them. (On a fresh start a load seeds the servers.)",
+        rank,
+    )

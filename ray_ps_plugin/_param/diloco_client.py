@@ -92,6 +92,13 @@ class DilocoClient(ParamClient):
             self._round()
         self._export_metrics()
 
+    @property
+    def start_step(self) -> int:
+        """A clock counts rounds of ``local_steps`` steps: the step the round this
+        worker went on from starts at (the local steps of the round a worker it
+        replaces was in are not on the shards, so they are taken again)."""
+        return self.start_clock * self._local_steps
+
     def flush(self) -> None:
         """Sends the steps taken since the last round as a shorter round and installs
         the result: afterwards the model holds the global parameters.
@@ -147,7 +154,8 @@ class DilocoClient(ParamClient):
     def load_outer_state_dict(self, state: dict[str, Any]) -> None:
         """Rank 0 hands a checkpoint's outer state to the shards (the others only
         wait for it), before any round of this run: call it on every worker right
-        after ``prepare_model``.
+        after ``prepare_model``. A worker that joined live shards (see
+        ``ClientSetup.joined``) leaves their newer state as it is.
 
         Raises:
             ValueError: ``state`` is not what :meth:`outer_state_dict` returns.
@@ -157,7 +165,7 @@ class DilocoClient(ParamClient):
                 "load_outer_state_dict() takes what outer_state_dict() returned: a dict "
                 f"with 'momentum' and 'rounds', got {type(state).__name__}."
             )
-        if self.rank != 0:
+        if self.rank != 0 or self.setup.joined:  # live shards keep their newer state
             return
         momentum = state["momentum"]
         flat = None if momentum is None else momentum.detach().to(torch.float32).reshape(-1)

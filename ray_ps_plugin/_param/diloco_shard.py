@@ -28,7 +28,9 @@ import torch
 from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
 from ray_ps_plugin._param.outer import OuterState
 from ray_ps_plugin._param.relay import RelayGroup
-from ray_ps_plugin._param.shard import ParamShard, Reply, _ParamState
+from ray_ps_plugin._param.reply import Reply
+from ray_ps_plugin._param.shard import ParamShard, _ParamState
+from ray_ps_plugin._shard import rejoin_clock
 from ray_ps_plugin._types import Compression, OuterOptimizer
 
 __all__ = ["DilocoShard"]
@@ -128,6 +130,29 @@ class DilocoShard(ParamShard):
             )
         except ValueError as e:
             raise ShardProtocolError(f"shard {self.shard_index}: model {model}: {e}") from None
+
+    async def admit(self, rank: int) -> None:
+        """A worker replaces one that left: it joins the round being collected (the
+        rounds went on without it), from the start of that round's steps (see
+        ``DilocoClient.start_step``): the lost worker's round in progress is lost,
+        and round boundaries stay at the same steps on every worker."""
+        self._check(0, rank)
+        for state in self._models.values():
+            state.finished.discard(rank)
+            state.clocks[rank] = rejoin_clock(state.clocks, state.finished, rank, bounded=True)
+        self._tables.admit(rank)
+
+    def export_state(self) -> dict[str, Any]:
+        """:meth:`ParamShard.export_state` and each model's outer optimizer."""
+        out = super().export_state()
+        out["outer"] = {model: outer.export() for model, outer in self._outer.items()}
+        return out
+
+    def import_state(self, exported: dict[str, Any]) -> None:
+        """:meth:`ParamShard.import_state` and each model's outer optimizer."""
+        super().import_state(exported)
+        for model, outer in exported.get("outer", {}).items():
+            self._outer_state(model, self._model(model)).import_(outer)
 
     async def finish(self, model: int, rank: int) -> None:
         """Marks a finished worker; a round it will not send is applied without it

@@ -24,6 +24,8 @@ small plain part without being amplified by momentum at once.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ray_ps_plugin._types import OuterOptimizer
@@ -83,6 +85,23 @@ class OuterState:
                 )
             self._m.copy_(momentum)
         self.rounds = rounds
+
+    def export(self) -> dict[str, Any]:
+        """Everything a later group's shard needs to go on: the momentum, the rounds
+        applied, and a round being collected (its sum so far)."""
+        return {
+            "momentum": None if self._m is None else self._m.clone(),
+            "rounds": self.rounds,
+            "collecting": self.collecting,
+            "sum": self._sum.clone(),
+            "count": self._count,
+        }
+
+    def import_(self, exported: dict[str, Any]) -> None:
+        """Takes what :meth:`export` gave (the same slice)."""
+        self.load(exported["momentum"], exported["rounds"])
+        self.collecting, self._count = exported["collecting"], exported["count"]
+        self._sum.copy_(exported["sum"])
 
     @property
     def pending(self) -> int:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,39 +31,14 @@ import torch
 from ray_ps_plugin._codec import Codec, as_torch
 from ray_ps_plugin._dtypes import model_dtype, storage
 from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
+from ray_ps_plugin._param.reply import Reply
+from ray_ps_plugin._shard import resized
 from ray_ps_plugin._shm import Segment, SegmentHandle
 from ray_ps_plugin._tables.host import TableHost
 from ray_ps_plugin._types import Compression
 from ray_ps_plugin._wire.frames import PARAM_LOCAL, Frame
 
 __all__ = ["ParamShard", "Reply"]
-
-
-class Reply(NamedTuple):
-    """A shard's answer to a push or a pull.
-
-    Attributes:
-        params: The shard's slice, or ``None`` when it was written to the worker's
-            shared memory instead.
-        clocks: Every worker's clock when the answer was made.
-        slowest: The slowest unfinished worker's clock (all its updates are in).
-    """
-
-    params: np.ndarray | None
-    clocks: tuple[int, ...]
-    slowest: int
-
-    def packed(self) -> np.ndarray:
-        """A reply without parameters as the bytes of a frame: int64 ``slowest``,
-        then the clocks."""
-        assert self.params is None
-        return np.array([self.slowest, *self.clocks], "<i8").view(np.uint8)
-
-    @classmethod
-    def unpack(cls, payload: np.ndarray) -> Reply:
-        """The reply :meth:`packed` wrote."""
-        values = payload.view("<i8").tolist()
-        return cls(None, tuple(values[1:]), values[0])
 
 
 @dataclass
@@ -75,6 +50,9 @@ class _ParamState:
     dtype: str = "float32"  # the model's dtype: what workers send and receive
     clocks: list[int] = field(default_factory=list)
     finished: set[int] = field(default_factory=set)  # no longer holds the others back
+    # Replacements that go on from their own clock and hold no one back until they
+    # are within the bound again (see ParamShard.admit).
+    free: set[int] = field(default_factory=set)
     generation: int = 0  # bumped by every reseed (a checkpoint loaded mid-run)
     initialised: asyncio.Event = field(default_factory=asyncio.Event)
     # Workers of this node attached through shared memory: input, two outputs.
@@ -84,7 +62,11 @@ class _ParamState:
         self.clocks = [0] * self.num_workers
 
     def slowest(self) -> int:
-        active = [c for r, c in enumerate(self.clocks) if r not in self.finished]
+        """The slowest clock the others wait for: of the workers still training that
+        are not catching up after a replacement."""
+        active = [
+            c for r, c in enumerate(self.clocks) if r not in self.finished and r not in self.free
+        ]
         return min(active) if active else max(self.clocks)
 
 
@@ -289,6 +271,63 @@ class ParamShard(TableHost):
         async with self._changed:
             self._changed.notify_all()
 
+    # --- membership: a worker lost, replaced, or a whole group restarted ------------
+    async def leave(self, rank: int) -> None:
+        """A worker is gone (its process died): no model or table waits for it. What
+        it had in flight was applied or not; a push is applied whole or not at all."""
+        self._check(0, rank)
+        for model in list(self._models):
+            await self.finish(model, rank)
+        await self._tables.leave(rank)
+
+    async def admit(self, rank: int) -> None:
+        """A worker replaces one that left. It goes on from the clock the one it
+        replaces stopped at (it reads that clock with its first pull), so no step
+        of its data is done twice or skipped. Where the shards bound the clock gap
+        (ssp) the others ran ahead meanwhile: it holds no one back until it is
+        within the bound again."""
+        self._check(0, rank)
+        for state in self._models.values():
+            state.finished.discard(rank)
+            if self.staleness is not None:
+                state.free.add(rank)
+                self._catch_up(state, rank)
+        self._tables.admit(rank)
+
+    def _catch_up(self, state: _ParamState, rank: int) -> None:
+        """A free rank within the bound of the others again waits and is waited for."""
+        if rank in state.free and state.clocks[rank] >= state.slowest() - (self.staleness or 0):
+            state.free.discard(rank)
+
+    def export_state(self) -> dict[str, Any]:
+        """Everything a run's later shards need to go on where these stopped: each
+        model's parameters, dtype, clocks and reseed generation, and the tables."""
+        models = {
+            model: {
+                "params": state.params.numpy().copy(),
+                "dtype": state.dtype,
+                "clocks": list(state.clocks),
+                "finished": sorted(state.finished),
+                "generation": state.generation,
+            }
+            for model, state in self._models.items()
+            if state.params is not None
+        }
+        return {"models": models, "tables": self._tables.export()}
+
+    def import_state(self, exported: dict[str, Any]) -> None:
+        """Takes what a shard of an earlier worker group exported (the same slice of
+        every model), for this group's workers (their number may differ)."""
+        bounded = self.staleness is not None
+        for model, m in exported["models"].items():
+            state = self._model(model)
+            state.params = torch.from_numpy(np.array(m["params"], copy=True))
+            state.dtype = m["dtype"]
+            state.clocks = resized(m["clocks"], self.num_workers, set(), bounded)
+            state.generation = m["generation"]
+            state.initialised.set()
+        self._tables.import_(exported["tables"], bounded)
+
     async def _push_pull(
         self,
         state: _ParamState,
@@ -308,6 +347,7 @@ class ParamShard(TableHost):
             self._check_slice(model, f"rank {rank}", update, state.params)
             state.clocks[rank] = clock
             self._apply(model, state, rank, update)
+            self._catch_up(state, rank)
             self._pushes += 1
             self._bytes_in += nbytes
             async with self._changed:
@@ -366,7 +406,7 @@ class ParamShard(TableHost):
     async def _read(
         self, state: _ParamState, model: int, rank: int, clock: int, slot: int | None = None
     ) -> Reply:
-        if self.staleness is not None:
+        if self.staleness is not None and rank not in state.free:
             need = clock - self.staleness
             if state.slowest() < need:
                 try:

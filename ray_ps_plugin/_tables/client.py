@@ -55,6 +55,7 @@ from ray_ps_plugin._errors import PSError
 from ray_ps_plugin._shm import Segment, SegmentHandle
 from ray_ps_plugin._tables.frames import pack_pull, pack_push, unpack_push_answer
 from ray_ps_plugin._tables.layers import (
+    Layer,
     is_sharded,
     meta_tables,
     optimizer_step_spec,
@@ -111,6 +112,9 @@ class ShardedTables:
             the worker reads their rows there (in ssp once they confirmed the
             staleness bound, see :meth:`await_bound`).
         mode: How the run's mode treats tables.
+        joined: Whether this worker joins shards that already hold the tables (it
+            replaces a lost worker, or its group restarted): it neither seeds nor
+            sends rows, and goes on from the clocks the shards hold for its rank.
     """
 
     def __init__(
@@ -125,6 +129,7 @@ class ShardedTables:
         seed: int,
         mode: TableMode,
         local_shards: Sequence[int] = (),
+        joined: bool = False,
     ) -> None:
         self.model_id = model_id
         self.transport = transport
@@ -140,6 +145,8 @@ class ShardedTables:
         # The last step's push, one call per shard, with the tables it holds.
         self._inflight: list[tuple[Handle[Any], list[Table]]] = []
         self.tables: list[Table] = []
+        self._hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._segments: list[Segment] = []
         # A layer already sharded (the same module wrapped again, as a second
         # Lightning fit does in sync) keeps its table and the rows it learnt.
         new = [(n, m) for n, m in meta_tables(module) if not is_sharded(m)]
@@ -161,41 +168,50 @@ class ShardedTables:
             )
             table = Table(TableRef(model_id, index), name, layer, spec, num_shards, self)
             self.tables.append(table)
-        self._hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-        shared = set(local_shards)
-        pairs = [(t, s) for t in self.tables for s in range(num_shards)]
-        handles = [
-            transport.call(
-                s,
-                "table_create",
-                model_id,
-                t.ref.index,
-                t.spec,
-                num_shards,
-                s in shared and t.looked_up,  # a replica is never pulled
-            )
-            for t, s in pairs
-        ]
-        created = self.wait(handles, [s for _, s in pairs], "creating tables")
-        self._segments: list[Segment] = []
-        for (t, s), (lo, hi, handle) in zip(pairs, created):
-            if handle is not None:
-                self._map_rows(t, s, lo, hi, handle)
+        self._create(set(local_shards))
         for t, (_, layer) in zip(self.tables, new + real):
-            if not t.looked_up:
-                continue
-            attach_layer(layer, t)
-            if t.real:  # checkpoints read the shards' rows, a load sends its own
-                layer.register_state_dict_pre_hook(lambda *_, t=t: self.refresh(t))
-                layer.register_load_state_dict_post_hook(lambda *_, t=t: self._reload(t))
+            if t.looked_up:
+                self._look_up(t, layer)
         self._weights = {id(t.weight): t for t in self.tables}
         for t in self.replicas:
             # Every worker's copy is rank 0's, as DDP's constructor would make it
             # (it leaves the weight alone here).
             if torch.distributed.is_initialized() and self.world_size > 1:
                 torch.distributed.broadcast(t.weight.data, src=0)
-        if self.real:
+        if self.real and not joined:  # a worker joining live shards takes their rows
             self.publish(self._send_real)
+
+    def _create(self, shared: set[int]) -> None:
+        """Has every shard make its rows of every table; maps those of this node's
+        shards (``shared``) and takes the clock each table is at for this rank (0, or
+        where a worker this one replaces stopped)."""
+        pairs = [(t, s) for t in self.tables for s in range(self.num_shards)]
+        handles = [
+            self.transport.call(
+                s,
+                "table_create",
+                self.model_id,
+                t.ref.index,
+                t.spec,
+                self.num_shards,
+                s in shared and t.looked_up,  # a replica is never pulled
+                self.rank,
+            )
+            for t, s in pairs
+        ]
+        created = self.wait(handles, [s for _, s in pairs], "creating tables")
+        for (t, s), (lo, hi, handle, clock) in zip(pairs, created):
+            t.clock = max(t.clock, clock)
+            if handle is not None:
+                self._map_rows(t, s, lo, hi, handle)
+
+    def _look_up(self, t: Table, layer: Layer) -> None:
+        """Gives ``layer`` a forward that looks its rows up through ``t``; a real
+        layer's checkpoints read the shards' rows and a load sends its own."""
+        attach_layer(layer, t)
+        if t.real:
+            layer.register_state_dict_pre_hook(lambda *_, t=t: self.refresh(t))
+            layer.register_load_state_dict_post_hook(lambda *_, t=t: self._reload(t))
 
     @property
     def replicas(self) -> list[Table]:

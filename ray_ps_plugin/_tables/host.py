@@ -62,13 +62,20 @@ class TableHost(ShardBase):
         return None
 
     def table_create(
-        self, model: int, table: int, spec: TableSpec, num_shards: int, shared: bool = False
-    ) -> tuple[int, int, SegmentHandle | None]:
-        """Materialises this shard's rows of a table; returns their range and, with
-        ``shared``, the segment workers of this node read them from."""
-        self._check(model, None)
+        self,
+        model: int,
+        table: int,
+        spec: TableSpec,
+        num_shards: int,
+        shared: bool = False,
+        rank: int = 0,
+    ) -> tuple[int, int, SegmentHandle | None, int]:
+        """Materialises this shard's rows of a table (idempotent); returns their
+        range, with ``shared`` the segment workers of this node read them from, and
+        the updates of ``rank`` the table has taken (where a replacement goes on)."""
+        self._check(model, rank)
         lo, hi = self._tables.create(model, table, spec, num_shards, shared)
-        return lo, hi, self._tables.segment(model, table)
+        return lo, hi, self._tables.segment(model, table), self._tables.clock(model, table, rank)
 
     async def table_pull(
         self, model: int, table: int, rank: int, clock: int, ids: np.ndarray

@@ -31,75 +31,24 @@ NumPy only: a sync shard process stays free of torch.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
 from ray_ps_plugin._rows import row_bounds, sum_rows
-from ray_ps_plugin._shm import Segment, SegmentHandle
-from ray_ps_plugin._shm import available as shm_available
+from ray_ps_plugin._shard import resized
+from ray_ps_plugin._shm import SegmentHandle
+from ray_ps_plugin._tables.block import TableBlock, shared_rows
 from ray_ps_plugin._tables.optim import TableOptimizer, apply_step, new_state
 from ray_ps_plugin._tables.spec import PushAnswer, PushEntry, TableSpec, init_rows
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["TableStore"]
-
-
-@dataclass
-class _Table:
-    """One table's block of rows on this shard: local row ``i`` is the table's row
-    ``lo + i * stride`` (below ``hi``); ``stride`` is 1 for a range of rows, the
-    number of shards for interleaved rows."""
-
-    spec: TableSpec
-    lo: int
-    hi: int
-    num_workers: int
-    weight: np.ndarray
-    # The shared memory ``weight`` lies in, which workers of this node read rows
-    # from directly (None: private memory, rows go by message).
-    segment: Segment | None = None
-    optimizer: TableOptimizer | None = None
-    state: dict[str, np.ndarray] = field(default_factory=dict)
-    steps: int = 0  # updates applied (torch's per-parameter ``step``)
-    clocks: list[int] = field(default_factory=list)
-    finished: set[int] = field(default_factory=set)
-    applied: int = 0  # sync: the last clock whose summed update is applied
-    # Sync: each clock's pushes so far, and the hyperparameters of that step.
-    pending: dict[int, list[tuple[int, np.ndarray, np.ndarray, bool]]] = field(default_factory=dict)
-    pending_hyper: dict[int, dict[str, float]] = field(default_factory=dict)
-    generation: int = 0  # restores so far (load_tables)
-    # Replica tables: the rows each recent clock changed (table indices) and their
-    # values after it; a worker pushes clock c + 1 only after its answer to c.
-    changed_rows: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
-    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
-    stride: int = 1
-
-    def own(self, lo: int, hi: int) -> tuple[int, int]:
-        """The local rows ``[a, b)`` holding this block's rows among ``[lo, hi)``."""
-        a = max(0, -(-(lo - self.lo) // self.stride))
-        b = min(len(self.weight), -(-(hi - self.lo) // self.stride))
-        return a, max(a, b)
-
-    def slowest(self) -> int:
-        active = [c for r, c in enumerate(self.clocks) if r not in self.finished]
-        return min(active) if active else max(self.clocks, default=0)
-
-
-def _shared_rows(rows: int, dim: int) -> Segment | None:
-    """A segment for ``rows`` fp32 rows, or ``None`` where the host has none."""
-    if not shm_available():
-        return None
-    try:
-        return Segment.create(rows * dim * 4)
-    except OSError as e:
-        logger.warning("no shared memory for a table's rows (%s): rows go by message", e)
-        return None
 
 
 class TableStore:
@@ -115,7 +64,7 @@ class TableStore:
         self.shard_index = shard_index
         self.num_workers = num_workers
         self.timeout_s = timeout_s
-        self._tables: dict[tuple[int, int], _Table] = {}
+        self._tables: dict[tuple[int, int], TableBlock] = {}
 
     # --- set-up --------------------------------------------------------------------
     def create(
@@ -131,7 +80,9 @@ class TableStore:
                 "table outside sync mode; every worker's copy would drift."
             )
         if key in self._tables:
-            if self._tables[key].spec != spec:
+            # A replacement worker's seed may differ: the rows exist already.
+            held = self._tables[key].spec
+            if dataclasses.replace(spec, seed=held.seed) != held:
                 raise ShardProtocolError(
                     f"shard {self.shard_index}: table {table} of model {model} is "
                     f"described differently by two workers ({self._tables[key].spec} and "
@@ -141,20 +92,20 @@ class TableStore:
         if spec.replica:  # interleaved rows; rank 0 writes them next
             lo, hi, stride = self.shard_index, spec.rows, num_shards
             count = len(range(lo, hi, stride))
-            t = _Table(spec, lo, hi, self.num_workers, np.zeros((count, spec.dim), np.float32))
+            t = TableBlock(spec, lo, hi, self.num_workers, np.zeros((count, spec.dim), np.float32))
             t.stride, t.clocks = stride, [0] * self.num_workers
             self._tables[key] = t
             return lo, hi
         bounds = row_bounds(spec.rows, num_shards)
         lo, hi = bounds[self.shard_index], bounds[self.shard_index + 1]
-        segment = _shared_rows(hi - lo, spec.dim) if shared else None
+        segment = shared_rows(hi - lo, spec.dim) if shared else None
         if segment is None:
             weight = np.zeros((hi - lo, spec.dim), np.float32)
         else:  # a new segment is zeroed
             weight = segment.view(0, "float32", (hi - lo) * spec.dim).reshape(hi - lo, spec.dim)
         if spec.seeded:
             init_rows(spec, table, lo, hi, out=weight)
-        t = _Table(spec, lo, hi, self.num_workers, weight, segment)
+        t = TableBlock(spec, lo, hi, self.num_workers, weight, segment)
         t.clocks = [0] * self.num_workers
         self._tables[key] = t
         return lo, hi
@@ -164,7 +115,7 @@ class TableStore:
         t = self._table(model, table)
         return None if t.segment is None else t.segment.handle
 
-    def _table(self, model: int, table: int) -> _Table:
+    def _table(self, model: int, table: int) -> TableBlock:
         try:
             return self._tables[model, table]
         except KeyError:
@@ -173,7 +124,7 @@ class TableStore:
                 "worker's model differs from the one the table was created for."
             ) from None
 
-    def _local(self, t: _Table, ids: np.ndarray) -> np.ndarray:
+    def _local(self, t: TableBlock, ids: np.ndarray) -> np.ndarray:
         offset = ids.astype(np.int64) - t.lo
         if ids.size and (
             int(offset.min()) < 0
@@ -260,7 +211,7 @@ class TableStore:
                 )
         return [self._answer(t, clock) for t, (_, clock, *_) in zip(tables, entries)]
 
-    def _answer(self, t: _Table, clock: int) -> PushAnswer:
+    def _answer(self, t: TableBlock, clock: int) -> PushAnswer:
         if t.spec.replica and clock in t.changed_rows:
             ids, rows = t.changed_rows[clock]
             return t.steps, ids, rows
@@ -277,7 +228,7 @@ class TableStore:
         optimizer: TableOptimizer,
         hyper: dict[str, float],
         touched: bool,
-    ) -> _Table:
+    ) -> TableBlock:
         """Records (sync) or applies (ssp, async) one push; a repeat is ignored."""
         t = self._table(model, table)
         local = self._local(t, ids)
@@ -307,9 +258,10 @@ class TableStore:
             self._apply_ready(t)
         else:
             self._apply(t, local, grads, hyper, touched)
+            t.catch_up(rank)
         return t
 
-    def _apply_ready(self, t: _Table) -> None:
+    def _apply_ready(self, t: TableBlock) -> None:
         """Sync: applies the next clock once every unfinished worker pushed it."""
         while True:
             clock = t.applied + 1
@@ -329,7 +281,7 @@ class TableStore:
 
     def _apply(
         self,
-        t: _Table,
+        t: TableBlock,
         rows: np.ndarray,
         grads: np.ndarray,
         hyper: dict[str, float],
@@ -360,7 +312,64 @@ class TableStore:
                 async with t.changed:
                     t.changed.notify_all()
 
-    async def _wait(self, t: _Table, ready: Any, what: str) -> None:
+    async def leave(self, rank: int) -> None:
+        """A worker is gone: no table of any model waits for it (see :meth:`finish`)."""
+        for model in {m for m, _ in self._tables}:
+            await self.finish(model, rank)
+
+    def admit(self, rank: int) -> None:
+        """A worker replaces one that left, from the clock the one it replaces
+        stopped at (it learns it when it creates the tables again); where the
+        clock gap is bounded it holds no one back until it is within the bound."""
+        for t in self._tables.values():
+            t.finished.discard(rank)
+            if t.spec.staleness is not None and not t.spec.sync:
+                t.free.add(rank)
+                t.catch_up(rank)
+
+    def clock(self, model: int, table: int, rank: int) -> int:
+        """The updates of ``rank`` a table has taken: where the worker goes on."""
+        return self._table(model, table).clocks[rank]
+
+    def export(self) -> list[dict[str, Any]]:
+        """Every table's block, state and clocks, for a later group's shards."""
+        return [
+            {
+                "key": key,
+                "spec": t.spec,
+                "lo": t.lo,
+                "hi": t.hi,
+                "stride": t.stride,
+                "weight": t.weight.copy(),
+                "shared": t.segment is not None,
+                "optimizer": t.optimizer,
+                "state": {n: v.copy() for n, v in t.state.items()},
+                "steps": t.steps,
+                "clocks": list(t.clocks),
+                "generation": t.generation,
+            }
+            for key, t in self._tables.items()
+        ]
+
+    def import_(self, exported: list[dict[str, Any]], bounded: bool) -> None:
+        """Takes the blocks :meth:`export` gave, for this group's workers."""
+        for e in exported:
+            rows, dim = e["weight"].shape
+            segment = shared_rows(rows, dim) if e["shared"] else None
+            weight = (
+                e["weight"].copy()
+                if segment is None
+                else segment.view(0, "float32", rows * dim).reshape(rows, dim)
+            )
+            weight[:] = e["weight"]
+            t = TableBlock(e["spec"], e["lo"], e["hi"], self.num_workers, weight, segment)
+            t.stride, t.optimizer, t.steps = e["stride"], e["optimizer"], e["steps"]
+            t.state = {n: v.copy() for n, v in e["state"].items()}
+            t.clocks = resized(e["clocks"], self.num_workers, set(), bounded)
+            t.generation, t.applied = e["generation"], max(e["clocks"], default=0)
+            self._tables[tuple(e["key"])] = t
+
+    async def _wait(self, t: TableBlock, ready: Any, what: str) -> None:
         async def until() -> None:
             async with t.changed:
                 await t.changed.wait_for(ready)

@@ -45,6 +45,7 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from ray_ps_plugin import get_ps_context
+from tests.integration.loops import recsys_step, report_with_state
 
 T = TypeVar("T")
 
@@ -144,6 +145,38 @@ def finish(
         metrics["has_ps_context"] = ctx is not None
         (out / f"rank{rank}.json").write_text(json.dumps(metrics))
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
+
+
+def train_phases(
+    config: dict[str, Any],
+    models: dict[str, nn.Module],
+    step: Callable[[str, nn.Module, int], None],
+    loss_of: Callable[[nn.Module], float],
+) -> None:
+    """One phase per model, in order: ``steps_per_phase`` calls of ``step(name, model,
+    i)``, a failure recorded under the model's name; rank 0 keeps each model's
+    parameters after its phase (``after_{name}``). Ends with :func:`finish`, each
+    model's held-out loss (``loss_of`` of the unwrapped model) before and after."""
+    rank, _ = rank_and_world()
+    errors: dict[str, str] = {}
+    initial = {name: loss_of(unwrap(m)) for name, m in models.items()}
+    states: dict[str, Any] = {}
+    for name, model in models.items():
+
+        def phase(name: str = name, model: nn.Module = model) -> None:
+            for i in range(config["steps_per_phase"]):
+                step(name, model, i)
+
+        attempt(errors, name, phase)
+        if rank == 0:
+            states[f"after_{name}"] = snapshot(unwrap(model))
+    finish(
+        models,
+        {"errors": errors, "initial": initial},
+        extra_states=states,
+        final_eval=lambda: {"final": {n: loss_of(unwrap(m)) for n, m in models.items()}},
+        case=config.get("case", ""),
+    )
 
 
 def final_checkpoint_dir(run_dir: Path, case: str = "") -> Path | None:
@@ -838,7 +871,6 @@ def bf16_loop(config: dict[str, Any]) -> None:
     Config: ``steps_per_phase``.
     """
     rank, _ = rank_and_world()
-    errors: dict[str, str] = {}
     nets = {name: mlp(seed=10 + i).to(torch.bfloat16) for i, name in enumerate(BF16_PHASES)}
     models = {name: ray.train.torch.prepare_model(net) for name, net in nets.items()}
     opts = {
@@ -851,28 +883,13 @@ def bf16_loop(config: dict[str, Any]) -> None:
         with torch.no_grad():
             return F.mse_loss(module(x.to(torch.bfloat16)).float(), y).item()
 
-    initial = {name: loss_of(unwrap(m)) for name, m in models.items()}
-    states: dict[str, Any] = {}
-    for name in BF16_PHASES:
-        model, opt = models[name], opts[name]
+    def step(name: str, model: nn.Module, i: int) -> None:
+        x, y = regression_batch(i, rank)
+        opts[name].zero_grad()
+        F.mse_loss(model(x.to(torch.bfloat16)).float(), y).backward()
+        opts[name].step()
 
-        def phase(model: nn.Module = model, opt: torch.optim.Optimizer = opt) -> None:
-            for step in range(config["steps_per_phase"]):
-                x, y = regression_batch(step, rank)
-                opt.zero_grad()
-                F.mse_loss(model(x.to(torch.bfloat16)).float(), y).backward()
-                opt.step()
-
-        attempt(errors, name, phase)
-        if rank == 0:
-            states[f"after_{name}"] = snapshot(unwrap(model))
-    finish(
-        models,
-        {"errors": errors, "initial": initial},
-        extra_states=states,
-        final_eval=lambda: {"final": {n: loss_of(unwrap(m)) for n, m in models.items()}},
-        case=config.get("case", ""),
-    )
+    train_phases(config, models, step, loss_of)
 
 
 # --- sparse embedding tables ------------------------------------------------------------
@@ -920,7 +937,6 @@ def sparse_loop(config: dict[str, Any]) -> None:
     Config: ``steps_per_phase``.
     """
     rank, _ = rank_and_world()
-    errors: dict[str, str] = {}
     nets = {name: SparseRecsys(seed=20 + i) for i, name in enumerate(SPARSE_PHASES)}
     models = {name: ray.train.torch.prepare_model(net) for name, net in nets.items()}
 
@@ -950,30 +966,10 @@ def sparse_loop(config: dict[str, Any]) -> None:
         with torch.no_grad():
             return sum(F.mse_loss(module(b, i), y).item() for b, i, y in held_out)
 
-    initial = {name: loss_of(unwrap(m)) for name, m in models.items()}
-    states: dict[str, Any] = {}
-    for name in SPARSE_PHASES:
-        model, phase_opts = models[name], opts[name]
+    def step(name: str, model: nn.Module, i: int) -> None:
+        recsys_step(model, opts[name], sparse_batch(i, rank))
 
-        def phase(model: nn.Module = model, phase_opts: list = phase_opts) -> None:
-            for step in range(config["steps_per_phase"]):
-                bag_ids, item_ids, y = sparse_batch(step, rank)
-                for opt in phase_opts:
-                    opt.zero_grad()
-                F.mse_loss(model(bag_ids, item_ids), y).backward()
-                for opt in phase_opts:
-                    opt.step()
-
-        attempt(errors, name, phase)
-        if rank == 0:
-            states[f"after_{name}"] = snapshot(unwrap(model))
-    finish(
-        models,
-        {"errors": errors, "initial": initial},
-        extra_states=states,
-        final_eval=lambda: {"final": {n: loss_of(unwrap(m)) for n, m in models.items()}},
-        case=config.get("case", ""),
-    )
+    train_phases(config, models, step, loss_of)
 
 
 # --- resume after a worker dies -----------------------------------------------------
@@ -1033,19 +1029,15 @@ def resume_loop(config: dict[str, Any]) -> None:
             now = _flat(unwrap(model))
             drift.append(((now - ckpt_flat).norm() / (ckpt_flat - fresh).norm()).item())
         if (step + 1) % config["every"] == 0 and step + 1 < config["steps"]:
-            with tempfile.TemporaryDirectory() as d:
-                ckpt = None
-                if rank == 0:
-                    torch.save(
-                        {
-                            "model": model.module.state_dict(),
-                            "optimizer": opt.state_dict(),
-                            "step": step + 1,
-                        },
-                        f"{d}/resume.pt",
-                    )
-                    ckpt = ray.train.Checkpoint.from_directory(d)
-                ray.train.report({"step": step + 1}, checkpoint=ckpt)
+            report_with_state(
+                {"step": step + 1},
+                "resume.pt",
+                lambda step=step: {
+                    "model": model.module.state_dict(),
+                    "optimizer": opt.state_dict(),
+                    "step": step + 1,
+                },
+            )
         if step + 1 == config.get("crash_after") and rank == 1:
             marker = Path(config["marker_dir"], "crashed")
             if not marker.exists():

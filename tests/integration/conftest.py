@@ -17,7 +17,7 @@ import ray
 from ray import cloudpickle
 from ray.cluster_utils import Cluster
 
-from tests.integration import compat_loops, digits, dlrm, faults, loops, tables
+from tests.integration import compat_loops, digits, dlrm, faults, loops, tables, workerloss
 
 # Workers cannot import the tests package; ship the loops by value.
 cloudpickle.register_pickle_by_value(loops)
@@ -26,6 +26,7 @@ cloudpickle.register_pickle_by_value(faults)
 cloudpickle.register_pickle_by_value(compat_loops)
 cloudpickle.register_pickle_by_value(tables)
 cloudpickle.register_pickle_by_value(dlrm)
+cloudpickle.register_pickle_by_value(workerloss)
 
 
 @pytest.fixture(scope="session")

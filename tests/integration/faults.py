@@ -6,7 +6,6 @@ that they happened, so the restarted worker group trains on.
 
 import os
 import signal
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from ray_ps_plugin import get_ps_context
+from tests.integration.loops import report_with_state
 
 
 def _model() -> nn.Module:
@@ -134,22 +134,18 @@ def resumable_loop(config: dict[str, Any]) -> None:
             if config.get("record_placement") and step + 1 == config["steps"]:
                 metrics["worker_nodes"] = _worker_nodes()
                 metrics["server_node_ids"] = list(ctx.server_node_ids) if ctx else None
-            with tempfile.TemporaryDirectory() as d:
-                ckpt = None
-                if rank == 0:
-                    torch.save(
-                        {
-                            "model": model.module.state_dict(),
-                            "optimizer": opt.state_dict(),
-                            "step": step + 1,
-                            "outer": ctx.outer_state_dict()
-                            if ctx is not None and ctx.mode == "diloco"
-                            else None,
-                        },
-                        f"{d}/state.pt",
-                    )
-                    ckpt = ray.train.Checkpoint.from_directory(d)
-                ray.train.report(metrics, checkpoint=ckpt)
+            report_with_state(
+                metrics,
+                "state.pt",
+                lambda step=step, ctx=ctx: {
+                    "model": model.module.state_dict(),
+                    "optimizer": opt.state_dict(),
+                    "step": step + 1,
+                    "outer": ctx.outer_state_dict()
+                    if ctx is not None and ctx.mode == "diloco"
+                    else None,
+                },
+            )
         if preempted:
             preempted_at = step + 1
             _after_preemption_checkpoint(config, rank, preempted_at)

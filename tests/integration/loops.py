@@ -2,6 +2,7 @@
 
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -131,12 +132,33 @@ def report_with_model(model: nn.Module, metrics: dict[str, Any]) -> None:
 
     Result.metrics of Ray Train V2 are those reported with the latest checkpoint.
     """
+    report_with_state(metrics, "model.pt", lambda: model.module.state_dict())
+
+
+def report_with_state(metrics: dict[str, Any], filename: str, state: Callable[[], Any]) -> None:
+    """Every rank reports ``metrics``; rank 0 attaches ``state()`` saved as ``filename``.
+
+    ``state`` runs on rank 0 only: under async/ssp a ``state_dict()`` is a pull from
+    the shards, of no use to the other ranks.
+    """
     with tempfile.TemporaryDirectory() as d:
         checkpoint = None
         if ray.train.get_context().get_world_rank() == 0:
-            torch.save(model.module.state_dict(), f"{d}/model.pt")
+            torch.save(state(), f"{d}/{filename}")
             checkpoint = ray.train.Checkpoint.from_directory(d)
         ray.train.report(metrics, checkpoint=checkpoint)
+
+
+def recsys_step(model: nn.Module, opts: list[torch.optim.Optimizer], batch: tuple) -> None:
+    """One step of a recommendation model on ``(bag_ids, item_ids, y)``: an MSE loss,
+    then a step of every optimizer in ``opts`` (tables and dense part may each have
+    their own)."""
+    bag_ids, item_ids, y = batch
+    for opt in opts:
+        opt.zero_grad()
+    nn.functional.mse_loss(model(bag_ids, item_ids), y).backward()
+    for opt in opts:
+        opt.step()
 
 
 def failing_loop(config: dict[str, Any]) -> None:

@@ -23,6 +23,7 @@ from torch import nn
 
 from ray_ps_plugin import get_ps_context
 from ray_ps_plugin._tables.spec import TableSpec, init_rows
+from tests.integration.loops import recsys_step
 
 ROWS = (500, 60)  # the bag table's and the padded table's rows
 DIM = 8
@@ -117,12 +118,7 @@ def table_loop(config: dict[str, Any]) -> None:
 
     initial = loss_of()
     for step in range(start, config["steps"]):
-        bag_ids, item_ids, y = batch(step, rank)
-        for opt in opts:
-            opt.zero_grad()
-        F.mse_loss(model(bag_ids, item_ids), y).backward()
-        for opt in opts:
-            opt.step()
+        recsys_step(model, opts, batch(step, rank))
         schedule.step()
         done = step + 1
         if config.get("every") and done % config["every"] == 0 and done < config["steps"]:

@@ -296,6 +296,17 @@ def assert_phase_same_as_ddp(runs: Runs, case: str, phases: Sequence[str], phase
     assert_same_as_ddp(runs, case, f"after_{phase}")
 
 
+def assert_phase_ran(runs: Runs, case: str, phases: Sequence[str], phase: str, mode: str) -> Run:
+    """``phase`` of ``case`` ran without error on every rank and left finite
+    parameters; under sync, DDP's (:func:`assert_phase_same_as_ddp`). Returns the run."""
+    run = runs.get(case, mode)
+    assert_no_error(run, phase)
+    assert all_finite(run.states[f"after_{phase}"])
+    if mode == "sync":
+        assert_phase_same_as_ddp(runs, case, phases, phase)
+    return run
+
+
 def assert_same_as_ddp(runs: Runs, case: str, key: str | None = None) -> None:
     """Sync PS holds DDP's parameters (all states, or ``states[key]``) within TOL."""
     ddp, ps = runs.get(case, "ddp").states, runs.get(case, "sync").states
@@ -428,11 +439,7 @@ def test_unfreezing_a_layer_after_prepare_model_is_refused(runs, mode):
 def test_gan_phase(runs, phase, mode):
     """G and D (different shapes), two optimizers; D sees two forwards per backward
     (or two backwards per step); G's loss back-propagates through D."""
-    run = runs.get("gan", mode)
-    assert_no_error(run, phase)
-    assert all_finite(run.states[f"after_{phase}"])
-    if mode == "sync":
-        assert_phase_same_as_ddp(runs, "gan", cl.GAN_PHASES, phase)
+    assert_phase_ran(runs, "gan", cl.GAN_PHASES, phase, mode)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -453,11 +460,7 @@ def test_gan_generator_moves_towards_the_data(runs, mode):
 def test_twins_phase(runs, phase, mode):
     """Two prepared models of EQUAL shapes: under sync each equals its DDP twin (a
     mix-up of their sums would not raise any shape error)."""
-    run = runs.get("twins", mode)
-    assert_no_error(run, phase)
-    assert all_finite(run.states[f"after_{phase}"])
-    if mode == "sync":
-        assert_phase_same_as_ddp(runs, "twins", cl.TWIN_PHASES, phase)
+    assert_phase_ran(runs, "twins", cl.TWIN_PHASES, phase, mode)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -479,15 +482,10 @@ def test_bf16_weights_phase(runs, phase, mode):
     """bf16 weights train in every mode and stay bf16; sync ends with DDP's
     parameters (2 workers: an fp32 sum of two bf16 values rounded once to bf16 is
     what Gloo's bf16 all-reduce computes too, so they agree to the bit)."""
-    run = runs.get("bf16", mode)
-    assert_no_error(run, phase)
-    after = run.states[f"after_{phase}"]
-    assert all(t.dtype == torch.bfloat16 for t in after.values())
-    assert all_finite(after)
+    run = assert_phase_ran(runs, "bf16", cl.BF16_PHASES, phase, mode)
+    assert all(t.dtype == torch.bfloat16 for t in run.states[f"after_{phase}"].values())
     m = run.metrics
     assert m["final"][phase] < 0.7 * m["initial"][phase], (m["initial"], m["final"])
-    if mode == "sync":
-        assert_phase_same_as_ddp(runs, "bf16", cl.BF16_PHASES, phase)
 
 
 # --- sparse embedding tables ------------------------------------------------------------
@@ -500,15 +498,11 @@ def test_sparse_embeddings_phase(runs, phase, mode):
     hitting only padding_idx) with SparseAdam, SGD and Adagrad train in every mode
     (the held-out loss falls by 10% in every mode); sync ends with the parameters
     of DDP with Gloo's sparse all-reduce."""
-    run = runs.get("sparse", mode)
-    assert_no_error(run, phase)
-    assert all_finite(run.states[f"after_{phase}"])
+    run = assert_phase_ran(runs, "sparse", cl.SPARSE_PHASES, phase, mode)
     m = run.metrics
-    # Sync holds DDP's parameters (checked below); every mode learns. Measured over
+    # Sync holds DDP's parameters (checked above); every mode learns. Measured over
     # three runs of each stale mode: the loss ends at 0.3-0.75 of its start.
     assert m["final"][phase] < 0.9 * m["initial"][phase], (m["initial"], m["final"])
-    if mode == "sync":
-        assert_phase_same_as_ddp(runs, "sparse", cl.SPARSE_PHASES, phase)
 
 
 # --- resume from a checkpoint after a worker died -----------------------------------------

@@ -100,8 +100,11 @@ def test_killed_shard_without_retries_fails_fast_naming_the_shard(tmp_path, mode
 
 
 def test_killed_shard_in_async_restarts_and_the_new_shards_adopt_the_checkpoint(tmp_path):
+    """A shard's loss (no replication) takes its state: the first worker that notices
+    fails alone and is replaced, but cannot join the shards, so every worker
+    restarts, from the checkpoint: two failures of ``max_failures``."""
     result = _fit(
-        tmp_path, "async_shard_dies", retries=1, kill_shard=1, kill_step=12, ps={"mode": "async"}
+        tmp_path, "async_shard_dies", retries=2, kill_shard=1, kill_step=12, ps={"mode": "async"}
     )
     m = result.metrics
     assert m["step"] == STEPS and 0 < m["start"] <= 12
@@ -307,18 +310,23 @@ def test_preemption_checkpoints_the_shards_and_resumes_losing_at_most_one_step(
     [{"mode": "async"}, {"mode": "diloco", "local_steps": 4}],
     ids=["async", "diloco"],
 )
-def test_stale_mode_restart_seeds_the_servers_from_the_checkpoint(tmp_path, ps):
+def test_stale_mode_restart_keeps_the_shards_state_over_the_checkpoint(tmp_path, ps):
+    """A worker dies and every worker restarts (``replace_lost_workers=False``: the
+    loop has a barrier after loading its checkpoint, which a lone replacement would
+    call without the others). The shards' state is kept over the restart: the loop
+    loads its checkpoint (step 10, or 5), but the restarted shards hold every update
+    applied until the failure, so what rank 1 reads from them differs from the
+    checkpoint, and so does diloco's outer momentum; the run finishes."""
     name = f"{ps['mode']}_worker_dies"
+    ps = {**ps, "replace_lost_workers": False}
     result = _fit(tmp_path, name, retries=1, fail_rank=1, fail_step=12, ps=ps)
     m = result.metrics
     assert m["step"] == STEPS and m["start"] > 0
-    # Rank 1 (which did not seed them) read the restarted shards: exactly the checkpoint.
     probe = tmp_path / f"markers-{name}" / "restored_server_vs_checkpoint"
-    assert float(probe.read_text()) == 0.0
+    assert float(probe.read_text()) > 0.0
     if ps["mode"] == "diloco":
-        # The checkpoint carried the outer momentum; the new shards hold exactly it.
         outer = tmp_path / f"markers-{name}" / "restored_outer_vs_checkpoint"
-        assert float(outer.read_text()) == 0.0
+        assert float(outer.read_text()) > 0.0
     _no_leaks()
 
 

@@ -119,6 +119,34 @@ def _no_leaks(run: dict[str, Any]) -> None:
     assert run["leaked_placement_groups_after_s"] is not None, "a placement group outlived it"
 
 
+def _drive_with_link_down(bed: Any, tmp: Path, down_s: float, retries: int) -> dict[str, Any]:
+    """Runs the driver with node 1's link unplugged at ``FAULT_STEP`` for ``down_s``
+    seconds, or until the run ends if that is sooner; ``link_down_at`` in the result:
+    when the link went down (``time.time()``), None if it never did."""
+    down: dict[str, float] = {}
+
+    def unplug(done: threading.Event) -> None:
+        bed.set_link(1, down=True)
+        down["at"] = time.time()
+        try:
+            done.wait(down_s)
+        finally:
+            bed.set_link(1, down=False)
+
+    run = _drive(
+        bed,
+        tmp,
+        unplug,
+        steps=STEPS,
+        every=EVERY,
+        link_fault_step=FAULT_STEP,
+        retries=retries,
+        ps_timeout=PS_TIMEOUT_S,
+    )
+    run["link_down_at"] = down.get("at")
+    return run
+
+
 @pytest.fixture(scope="module")
 def reference() -> dict[str, Any]:
     """What every faulted sync run must end with: the same loop's maths as DDP over 2
@@ -185,25 +213,7 @@ def test_link_down_longer_than_ps_timeout_recovers_through_restart_exactly(
     """Unplugged for 20 s (> ps_timeout_s), then back: the step fails with
     PSTimeoutError, Ray Train restarts from the last checkpoint once the link is
     back, and the run ends with the uninterrupted run's parameters."""
-    down_s = 20.0
-
-    def unplug(done: threading.Event) -> None:
-        bed.set_link(1, down=True)
-        try:
-            done.wait(down_s)
-        finally:
-            bed.set_link(1, down=False)
-
-    run = _drive(
-        bed,
-        tmp_path,
-        unplug,
-        steps=STEPS,
-        every=EVERY,
-        link_fault_step=FAULT_STEP,
-        retries=2,
-        ps_timeout=PS_TIMEOUT_S,
-    )
+    run = _drive_with_link_down(bed, tmp_path, down_s=20.0, retries=2)
     assert run["ok"], run.get("error")
     m = run["metrics"]
     # Resumed from a checkpoint at or before the fault; no step half-applied.
@@ -221,26 +231,7 @@ def test_link_down_without_retries_fails_with_ps_timeout_in_bounded_time(
     pings) plus shutdown (ps_timeout_s to uninstall, Ray Train's torch process
     group bound), never a hang. The last run in the module: Ray may declare node 1
     dead."""
-    down: dict[str, float] = {}
-
-    def unplug(done: threading.Event) -> None:
-        bed.set_link(1, down=True)
-        down["at"] = time.time()
-        try:
-            done.wait(300)
-        finally:
-            bed.set_link(1, down=False)
-
-    run = _drive(
-        bed,
-        tmp_path,
-        unplug,
-        steps=STEPS,
-        every=EVERY,
-        link_fault_step=FAULT_STEP,
-        retries=0,
-        ps_timeout=PS_TIMEOUT_S,
-    )
+    run = _drive_with_link_down(bed, tmp_path, down_s=300, retries=0)
     assert not run["ok"]
     assert run["worker_errors"], run["error"]
     for name, message in run["worker_errors"]:
@@ -250,7 +241,8 @@ def test_link_down_without_retries_fails_with_ps_timeout_in_bounded_time(
         # rank order, and the worker behind the cut link cannot report at all.
         m = re.match(r"rank (\d): .*server shard\(s\) \[(\d)\] did not answer", message)
         assert m and m[1] != m[2], message
-    took = run["failed_at"] - down["at"]
+    assert run["link_down_at"] is not None, "the link was never unplugged"
+    took = run["failed_at"] - run["link_down_at"]
     bound = 2 * PS_TIMEOUT_S + 5 + TORCH_SHUTDOWN_S + 20  # + polls on a loaded machine
     assert took < bound, f"fit() returned {took:.0f} s after the link went down"
     _no_leaks(run)

@@ -3,6 +3,7 @@
 import asyncio
 import itertools
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import numpy as np
@@ -10,7 +11,8 @@ import torch
 
 from ray_ps_plugin._client import ClientSetup
 from ray_ps_plugin._modes import staleness_bound
-from ray_ps_plugin._param.shard import ParamShard, Reply
+from ray_ps_plugin._param.reply import Reply
+from ray_ps_plugin._param.shard import ParamShard
 from ray_ps_plugin._transport import wait_handles
 from ray_ps_plugin._wire.frames import (
     LOCAL,
@@ -260,6 +262,32 @@ def setup_for(
         topology=topology,
         staleness=staleness_bound(settings),
     )
+
+
+def started_clients(client_cls, models, num_shards, settings, transport, shared=False) -> list:
+    """One started ``client_cls`` a model (rank = its place in ``models``), as each
+    worker's runtime builds it; ``shared``: every worker reaches every shard through
+    shared memory."""
+    world = len(models)
+    local = range(num_shards) if shared else ()
+    clients = [
+        client_cls.build(setup_for(m, r, world, num_shards, settings, local=local), transport)
+        for r, m in enumerate(models)
+    ]
+    for c in clients:
+        c._start()
+    return clients
+
+
+def in_threads(target: Callable[[int], object], count: int, timeout_s: float = 30.0) -> None:
+    """Calls ``target(i)`` for each ``i`` below ``count``, each in a thread of its own,
+    and joins them (each join bounded by ``timeout_s``). All start before any is
+    joined: the workers of one step wait on each other's pushes."""
+    threads = [threading.Thread(target=target, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
 
 
 class LoggedParamShard(ParamShard):

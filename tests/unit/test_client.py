@@ -1,7 +1,6 @@
 """PSClient's DDP hook against fake shards: chunks, sums, stats, timeouts."""
 
 import dataclasses
-import threading
 import time
 
 import pytest
@@ -12,21 +11,7 @@ from ray_ps_plugin._sync.client import SumClient
 from ray_ps_plugin._sync.shard import SumShard
 from ray_ps_plugin._sync.topology import Topology
 from ray_ps_plugin._wire.frames import LOCAL, PUSH
-from tests.unit.fakes import (
-    FakeBucket,
-    FakeDirect,
-    FakeTransport,
-    LoopThread,
-    Settings,
-    setup_for,
-)
-
-
-@pytest.fixture
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.stop()
+from tests.unit.fakes import FakeBucket, FakeDirect, FakeTransport, Settings, in_threads, setup_for
 
 
 def _module(numel):
@@ -68,6 +53,18 @@ def _clients(
     return clients, transport
 
 
+def _seeded_grads(world, numels, seed_stride):
+    """Each rank's buckets of ``numels`` elements: bucket ``i`` of rank ``r`` is drawn
+    with seed ``r * seed_stride + i``."""
+    return {
+        r: [
+            torch.randn(n, generator=torch.Generator().manual_seed(r * seed_stride + i))
+            for i, n in enumerate(numels)
+        ]
+        for r in range(world)
+    }
+
+
 def _assert_one_step_gives_the_mean(clients, grads):
     """Every worker, in its own thread, hooks its buckets (``grads[rank]``, one tensor
     per bucket) through its client; each must get back the mean over workers."""
@@ -79,11 +76,7 @@ def _assert_one_step_gives_the_mean(clients, grads):
         futs = [clients[rank].hook(None, FakeBucket(i, b)) for i, b in enumerate(bufs)]
         results[rank] = [f.wait() for f in futs]
 
-    threads = [threading.Thread(target=worker, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    in_threads(worker, world)
     for i in range(len(grads[0])):
         expected = sum(grads[r][i] for r in range(world)) / world
         for r in range(world):
@@ -106,13 +99,7 @@ def test_buckets_come_back_as_the_mean_over_workers(loop, local):
     clients, transport = _clients(
         loop, world, num_servers=2, total_bytes=total, chunk_bytes=2048, local=local
     )
-    grads = {
-        r: [
-            torch.randn(n, generator=torch.Generator().manual_seed(r * 10 + i))
-            for i, n in enumerate(numels)
-        ]
-        for r in range(world)
-    }
+    grads = _seeded_grads(world, numels, seed_stride=10)
     _assert_one_step_gives_the_mean(clients, grads)
 
     stats = clients[0].snapshot()
@@ -173,11 +160,7 @@ def test_bf16_and_fp32_buckets_of_one_model_come_back_as_their_mean(loop, local,
         futs = [clients[rank].hook(None, FakeBucket(i, b)) for i, b in enumerate(bufs)]
         results[rank] = [f.wait().clone() for f in futs]
 
-    threads = [threading.Thread(target=worker, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    in_threads(worker, world)
     bf16_mean = ((grads[0][0].float() / 2) + (grads[1][0].float() / 2)).to(torch.bfloat16)
     fp32_mean = grads[0][1] / 2 + grads[1][1] / 2
     for r in range(world):
@@ -219,11 +202,7 @@ def test_a_bucket_reaches_each_shard_of_its_node_in_one_call(loop):
         ]
         return [f.wait() for f in futs]
 
-    threads = [threading.Thread(target=worker, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    in_threads(worker, world)
     calls = [c for c in transport.pushes() if c[0] == "push_local"]
     # (method, shard, model, step, rank, dtype, chunks); bucket 0 spans both shards.
     per_rank_shard = {(c[4], c[1]) for c in calls}
@@ -268,11 +247,7 @@ def test_shared_memory_sums_stay_right_while_workers_race_ahead(loop, compressio
             futs = [clients[rank].hook(None, FakeBucket(i, b)) for i, b in enumerate(bufs)]
             results[rank].append([f.wait().clone() for f in futs])
 
-    threads = [threading.Thread(target=worker, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    in_threads(worker, world)
     for step in range(steps):
         for i in range(len(numels)):
             assert torch.equal(results[0][step][i], results[1][step][i])
@@ -479,13 +454,7 @@ def test_the_direct_path_carries_chunks_and_notices_and_sums_stay_right(
             remote={s for s in range(len(shard_nodes)) if s not in mine},
         )
         clients.append(SumClient.build(dataclasses.replace(setup, topology=topo), transport))
-    grads = {
-        r: [
-            torch.randn(n, generator=torch.Generator().manual_seed(r * 7 + i))
-            for i, n in enumerate(numels)
-        ]
-        for r in range(world)
-    }
+    grads = _seeded_grads(world, numels, seed_stride=7)
     _assert_one_step_gives_the_mean(clients, grads)
     kinds = {kind for _, kind, _ in transport.direct.frames}
     assert kinds == {PUSH, LOCAL}, kinds  # data frames and notices both took the path

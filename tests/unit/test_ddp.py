@@ -13,7 +13,7 @@ import torch.distributed as dist
 from ray_ps_plugin import _ddp, _runtime
 from ray_ps_plugin._param.shard import ParamShard
 from ray_ps_plugin._sync.shard import SumShard
-from tests.unit.fakes import FakeTransport, LoopThread, Settings, setup_for
+from tests.unit.fakes import FakeTransport, Settings, setup_for
 
 
 @pytest.fixture(scope="module")
@@ -26,16 +26,9 @@ def process_group():
     dist.destroy_process_group()
 
 
-@pytest.fixture
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.stop()
-
-
 @pytest.fixture(params=["sync", "async", "ssp"])
-def prepared(request, process_group, loop, monkeypatch):
-    """A PS-prepared model on fake shards, as prepare_model would build it."""
+def ps_run(request, process_group, loop, monkeypatch):
+    """A PS run on fake shards, as the backend installs it, with no model yet."""
     mode = request.param
     settings = Settings(mode=mode)
     shard = SumShard(0, 1, 5.0) if mode == "sync" else ParamShard(0, 1, None, 5.0)
@@ -43,10 +36,16 @@ def prepared(request, process_group, loop, monkeypatch):
     monkeypatch.setattr(_runtime, "_RUN", _runtime.RunInfo(settings, [object()], ["node"]))
     monkeypatch.setattr(_runtime, "client_setup", lambda m, info: setup_for(m, 0, 1, 1, settings))
     monkeypatch.setattr(_ddp, "RayTransport", lambda servers, timeout_s, direct=None: transport)
-    torch.manual_seed(0)
-    model = _ddp.PSDistributedDataParallel(torch.nn.Linear(4, 2))
-    yield model, transport
+    yield mode, transport
     _runtime.close_clients()
+
+
+@pytest.fixture
+def prepared(ps_run):
+    """A PS-prepared model on fake shards, as prepare_model would build it."""
+    _, transport = ps_run
+    torch.manual_seed(0)
+    return _ddp.PSDistributedDataParallel(torch.nn.Linear(4, 2)), transport
 
 
 def _step(model):
@@ -100,20 +99,6 @@ def test_averaged_model_of_the_prepared_model(prepared):
 
 
 # --- every DDP built in the training function becomes a PS one -------------------
-@pytest.fixture(params=["sync", "async", "ssp"])
-def ps_run(request, process_group, loop, monkeypatch):
-    """A PS run on fake shards, as the backend installs it, with no model yet."""
-    mode = request.param
-    settings = Settings(mode=mode)
-    shard = SumShard(0, 1, 5.0) if mode == "sync" else ParamShard(0, 1, None, 5.0)
-    transport = FakeTransport(loop, [shard])
-    monkeypatch.setattr(_runtime, "_RUN", _runtime.RunInfo(settings, [object()], ["node"]))
-    monkeypatch.setattr(_runtime, "client_setup", lambda m, info: setup_for(m, 0, 1, 1, settings))
-    monkeypatch.setattr(_ddp, "RayTransport", lambda servers, timeout_s, direct=None: transport)
-    yield mode, transport
-    _runtime.close_clients()
-
-
 DDP = torch.nn.parallel.DistributedDataParallel
 ORIGINAL_INIT = DDP.__dict__["__init__"]
 

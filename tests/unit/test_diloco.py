@@ -17,14 +17,7 @@ from ray_ps_plugin._param.outer import OuterState
 from ray_ps_plugin._param.relay import RoundRelays
 from ray_ps_plugin._types import outer_learning_rate
 from ray_ps_plugin.config import PSConfig
-from tests.unit.fakes import FakeTransport, LoopThread, Settings, setup_for
-
-
-@pytest.fixture
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.stop()
+from tests.unit.fakes import FakeTransport, Settings, in_threads, setup_for, started_clients
 
 
 # --- the outer optimizer ------------------------------------------------------------
@@ -151,15 +144,7 @@ def _setup(loop, world, shards, *, shared, staleness=0, compression=None, **oute
     servers = [DilocoShard(i, world, *args) for i in range(shards)]
     transport = FakeTransport(loop, servers)
     models = _models(world)
-    clients = [
-        DilocoClient.build(
-            setup_for(m, r, world, shards, settings, local=range(shards) if shared else ()),
-            transport,
-        )
-        for r, m in enumerate(models)
-    ]
-    for c in clients:
-        c._start()
+    clients = started_clients(DilocoClient, models, shards, settings, transport, shared)
     return servers, models, clients
 
 
@@ -186,11 +171,7 @@ def _run_workers(models, clients, opts, data, finish=True):
         except Exception as e:  # reported below, not lost in the thread
             errors.append(e)
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(models))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    in_threads(run, len(models))
     assert not errors, errors
 
 

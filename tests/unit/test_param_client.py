@@ -16,17 +16,11 @@ from tests.unit.fakes import (
     FakeDirect,
     FakeTransport,
     LoggedParamShard,
-    LoopThread,
     Settings,
+    in_threads,
     setup_for,
+    started_clients,
 )
-
-
-@pytest.fixture
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.stop()
 
 
 def _models(world, seed=0):
@@ -58,15 +52,7 @@ def _setup(loop, world, shards, staleness, timeout_s=5.0, shared=False, models=N
     models = models or _models(world)
     mode = "async" if staleness is None else "ssp"
     settings = Settings(mode=mode, staleness=staleness or 0, ps_timeout_s=timeout_s)
-    clients = [
-        ParamClient.build(
-            setup_for(m, r, world, shards, settings, local=range(shards) if shared else ()),
-            transport,
-        )
-        for r, m in enumerate(models)
-    ]
-    for c in clients:
-        c._start()
+    clients = started_clients(ParamClient, models, shards, settings, transport, bool(shared))
     return servers, transport, models, clients
 
 
@@ -100,13 +86,30 @@ def _constant_gradient_steps(models, clients, opts, steps):
             client.after_step()
         client.flush()
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(models))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    in_threads(run, len(models))
     for c in clients:
         c.sync()
+
+
+def _train_in_threads(models, opts, clients, data):
+    """Every worker, in its own thread, takes an SGD step on its batch of each step
+    (``data[step][rank]``), then syncs."""
+
+    def run(rank):
+        for batches in data:
+            _sgd_step(models[rank], opts[rank], clients[rank], *batches[rank])
+        clients[rank].sync()
+
+    in_threads(run, len(models))
+
+
+def _ddp_steps(model, opt, data):
+    """DDP's maths on the same batches: one optimizer, the mean gradient over workers."""
+    for batches in data:
+        opt.zero_grad()
+        for x, y in batches:
+            (torch.nn.functional.mse_loss(model(x), y) / len(batches)).backward()
+        opt.step()
 
 
 def test_split_bounds_covers_everything_evenly():
@@ -124,21 +127,8 @@ def test_ssp_zero_with_momentum_sgd_is_ddp_maths(loop, shared):
     opts = [torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9) for m in models]
     data = [[(torch.randn(4, 5), torch.randn(4, 3)) for _ in range(world)] for _ in range(steps)]
 
-    def run(rank):
-        for step in range(steps):
-            _sgd_step(models[rank], opts[rank], clients[rank], *data[step][rank])
-        clients[rank].sync()
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    for step in range(steps):  # DDP: the mean gradient over workers, one optimizer
-        ref_opt.zero_grad()
-        for x, y in data[step]:
-            (torch.nn.functional.mse_loss(reference(x), y) / world).backward()
-        ref_opt.step()
+    _train_in_threads(models, opts, clients, data)
+    _ddp_steps(reference, ref_opt, data)
     for m in models:
         torch.testing.assert_close(_flat(m), _flat(reference), atol=1e-5, rtol=0)
     assert all(c.snapshot().staleness_max == 0 for c in clients)
@@ -387,11 +377,7 @@ def test_load_state_dict_after_prepare_reaches_the_shards(loop):
     for m, o, c in zip(models, opts, clients):
         _sgd_step(m, o, c, x, y)
     checkpoint = {k: torch.full_like(v, 0.5) for k, v in models[0].state_dict().items()}
-    threads = [threading.Thread(target=m.load_state_dict, args=(checkpoint,)) for m in models]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
+    in_threads(lambda r: models[r].load_state_dict(checkpoint), len(models), timeout_s=10)
     clients[1].sync()  # pulls the shards' parameters into rank 1's model
     torch.testing.assert_close(_flat(models[1]), torch.full_like(_flat(models[1]), 0.5))
 
@@ -420,22 +406,8 @@ def test_a_model_smaller_than_the_shard_count_trains_through_shared_memory(loop)
     opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in models]
     data = [[(torch.randn(4, 1), torch.randn(4, 1)) for _ in range(world)] for _ in range(steps)]
 
-    def run(rank):
-        for step in range(steps):
-            _sgd_step(models[rank], opts[rank], clients[rank], *data[step][rank])
-        clients[rank].sync()
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    ref_opt = torch.optim.SGD(template.parameters(), lr=lr)
-    for step in range(steps):
-        ref_opt.zero_grad()
-        for x, y in data[step]:
-            (torch.nn.functional.mse_loss(template(x), y) / world).backward()
-        ref_opt.step()
+    _train_in_threads(models, opts, clients, data)
+    _ddp_steps(template, torch.optim.SGD(template.parameters(), lr=lr), data)
     for m in models:
         torch.testing.assert_close(_flat(m), _flat(template), atol=1e-6, rtol=0)
 

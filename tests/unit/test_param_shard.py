@@ -98,12 +98,19 @@ def test_ssp_holds_a_reader_until_the_slowest_is_within_the_bound():
     assert len(reads) == 3 and all(clock - included <= 1 for _, clock, included in reads)
 
 
+async def _rank0_waiting_for_rank1():
+    """A bulk-synchronous shard of two workers where rank 0 has pushed clock 1 (a
+    delta of 2); returns the shard and rank 0's reply, left waiting for rank 1."""
+    s = ParamShard(0, num_workers=2, staleness=0, timeout_s=5)
+    await s.init(0, _arr(0))
+    waiting = asyncio.ensure_future(s.push_pull(0, 0, 1, _arr(2)))
+    await asyncio.sleep(0.05)  # time for the push to reach the shard and wait there
+    return s, waiting
+
+
 def test_ssp_zero_is_bulk_synchronous():
     async def main():
-        s = ParamShard(0, num_workers=2, staleness=0, timeout_s=5)
-        await s.init(0, _arr(0))
-        a = asyncio.ensure_future(s.push_pull(0, 0, 1, _arr(2)))
-        await asyncio.sleep(0.05)
+        s, a = await _rank0_waiting_for_rank1()
         assert not a.done()
         b = await s.push_pull(0, 1, 1, _arr(4))
         return (await a)[0], b[0]
@@ -128,10 +135,7 @@ def test_ssp_timeout_names_the_slow_worker_and_its_clock():
 
 def test_a_finished_worker_no_longer_holds_the_others_back():
     async def main():
-        s = ParamShard(0, num_workers=2, staleness=0, timeout_s=5)
-        await s.init(0, _arr(0))
-        waiting = asyncio.ensure_future(s.push_pull(0, 0, 1, _arr(2)))
-        await asyncio.sleep(0.05)
+        s, waiting = await _rank0_waiting_for_rank1()
         await s.finish(0, 1)
         return await asyncio.wait_for(waiting, 1)
 

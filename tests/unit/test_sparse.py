@@ -1,7 +1,6 @@
 """Sparse embedding gradients in sync mode: touched rows only, summed on their shards."""
 
 import asyncio
-import threading
 
 import numpy as np
 import pytest
@@ -14,23 +13,9 @@ from ray_ps_plugin._sparse import sparse_params
 from ray_ps_plugin._sync.client import SumClient
 from ray_ps_plugin._sync.shard import SumShard
 from ray_ps_plugin._wire.frames import ROWS as ROWS_FRAME
-from tests.unit.fakes import (
-    FakeBucket,
-    FakeDirect,
-    FakeTransport,
-    LoopThread,
-    Settings,
-    setup_for,
-)
+from tests.unit.fakes import FakeBucket, FakeDirect, FakeTransport, Settings, in_threads, setup_for
 
 ROWS, DIM = 50, 3
-
-
-@pytest.fixture
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.stop()
 
 
 class _Recsys(torch.nn.Module):
@@ -79,11 +64,7 @@ def _step(clients, models, buckets):
         ]
         results[rank] = [f.wait() for f in futs]
 
-    threads = [threading.Thread(target=worker, args=(r,)) for r in range(len(clients))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    in_threads(worker, len(clients))
     return results
 
 

@@ -38,7 +38,7 @@ from ray_ps_plugin._tables.layers import (
 from ray_ps_plugin._tables.spec import TableSpec, init_rows
 from ray_ps_plugin._tables.store import TableStore
 from ray_ps_plugin._wire.frames import TABLE_PULL, TABLE_PUSH
-from tests.unit.fakes import FakeDirect, FakeTransport, LoopThread, Settings, _copy
+from tests.unit.fakes import FakeDirect, FakeTransport, Settings, _copy
 
 #: Real tables stepped on the shards: sync copies, async look-ups.
 COPIES = TableMode(sync=True, staleness=0, real="copies")
@@ -646,13 +646,6 @@ class _TableTransport(FakeTransport):
         return self.loop.run(self._gated(plain()))
 
 
-@pytest.fixture
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.stop()
-
-
 class _Tables(torch.nn.Module):
     def __init__(self, device) -> None:
         super().__init__()
@@ -712,6 +705,14 @@ def _assert_same_lookups(module, replica, inputs):
     """The sharded layers' outputs equal the replica's, layer by layer."""
     for got, want in zip(module(*inputs), replica(*inputs)):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def _step_both(tables, opt, ref_opt):
+    """One step of the sharded tables (``opt``) and of the replica (``ref_opt``),
+    returning once the tables' pushes are confirmed."""
+    tables.before_step(opt)
+    ref_opt.step()
+    tables.flush()
 
 
 def _assert_rows(transport, shards, replica, steps):
@@ -797,9 +798,7 @@ def test_sharded_layers_look_up_step_and_checkpoint_as_a_real_replica(loop, tmp_
         ref_opt.zero_grad()
         _loss(module(*_INPUTS[2]), 5).backward()
         _loss(replica(*_INPUTS[2]), 5).backward()
-        tables.before_step(opt)
-        ref_opt.step()
-        tables.flush()
+        _step_both(tables, opt, ref_opt)
         _assert_rows(transport, 3, replica, 2)
     finally:
         tables.close()
@@ -895,9 +894,7 @@ def test_a_table_no_backward_reached_keeps_torchs_step_count(loop):
                 if both:
                     out = out.sum() + (m.emb(tokens) * 2).sum()
                 _loss((out,), step).backward()
-            tables.before_step(opt)
-            ref_opt.step()
-            tables.flush()
+            _step_both(tables, opt, ref_opt)
         assert ref_opt.state[replica.emb.weight]["step"] == 2
         got = _read(transport, 2, 1, 20)
         np.testing.assert_allclose(got["weight"], replica.emb.weight.detach().numpy(), atol=1e-5)
@@ -922,9 +919,7 @@ def test_zero_grad_between_a_backward_and_the_step_keeps_the_rows_as_documented(
             opt.zero_grad()  # does not reach the rows kept for the sharded layers
             _loss(module(*inputs), k).backward()
             _loss(replica(*inputs), k).backward()  # accumulates, no zero_grad
-        tables.before_step(opt)
-        ref_opt.step()
-        tables.flush()
+        _step_both(tables, opt, ref_opt)
         _assert_same_lookups(module, replica, _INPUTS[0])
     finally:
         tables.close()
@@ -945,9 +940,7 @@ def test_a_step_refused_for_one_table_leaves_every_table_as_it_was(loop):
         with pytest.raises(ValueError, match=r"momentum=0\.9"):
             tables.before_step(opt)
         opt.param_groups[1]["momentum"] = 0.0
-        tables.before_step(opt)
-        ref_opt.step()
-        tables.flush()
+        _step_both(tables, opt, ref_opt)
         _assert_same_lookups(module, replica, _INPUTS[0])
     finally:
         tables.close()
