@@ -128,6 +128,7 @@ def resumable_loop(config: dict[str, Any]) -> None:
         if preempted or (step + 1) % config["every"] == 0 or step + 1 == config["steps"]:
             ctx = get_ps_context()
             metrics = {"step": step + 1, "steps_run": steps_run, "start": start}
+            metrics["world_size"] = ray.train.get_context().get_world_size()
             if ctx is not None:
                 metrics["skipped"] = ctx.stats.skipped_steps
                 ctx.flush()

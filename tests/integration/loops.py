@@ -1,8 +1,11 @@
 """Training loops and probes shared by the integration tests (shipped by value)."""
 
+import contextlib
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -203,6 +206,50 @@ def wait_until(pred, timeout_s: float = 20.0) -> bool:
             return True
         time.sleep(0.2)
     return pred()
+
+
+@contextlib.contextmanager
+def a_node_goes(
+    ray_cluster,
+    marker_dir: Path,
+    marker: str,
+    graceful: bool = False,
+    before: Callable[[str], bool] | None = None,
+) -> Iterator[list[str]]:
+    """Adds two slot nodes; a background thread removes the one a worker names.
+
+    A worker writes its node id to ``marker_dir / marker``; the thread then calls
+    ``before(node_id)`` (if given; it returns whether to go on) and removes that node.
+    On exit the thread is joined (bounded) and the surviving fresh node is removed.
+
+    Yields:
+        The ids of the removed nodes (empty, or the one node).
+    """
+    nodes = [ray_cluster.add_node(num_cpus=2, resources={"slot": 2}) for _ in range(2)]
+    ray_cluster.wait_for_nodes()
+    removed: list[str] = []
+
+    def remove() -> None:
+        target = marker_dir / marker
+        if not wait_until(target.exists, timeout_s=240):
+            return
+        node_id = target.read_text()
+        if before is not None and not before(node_id):
+            return
+        for node in nodes:
+            if node.node_id == node_id:
+                ray_cluster.remove_node(node, allow_graceful=graceful)
+                removed.append(node_id)
+
+    thread = threading.Thread(target=remove, daemon=True)
+    thread.start()
+    try:
+        yield removed
+        thread.join(10)
+    finally:
+        for node in nodes:
+            if node.node_id not in removed:
+                ray_cluster.remove_node(node)
 
 
 # --- failure injection in the backend -------------------------------------------

@@ -1,12 +1,8 @@
 """Reliability on a real local Ray cluster: restarts from checkpoints after worker
 and server failures, bounded failures, NaN policy, mismatched models, no leaks."""
 
-import contextlib
 import re
-import threading
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 import ray
@@ -158,56 +154,12 @@ SLOT_SCALING = ScalingConfig(
 )
 
 
-@contextlib.contextmanager
-def _a_node_goes(
-    ray_cluster,
-    marker_dir: Path,
-    marker: str,
-    graceful: bool = False,
-    before: Callable[[str], bool] | None = None,
-) -> Iterator[list[str]]:
-    """Adds two slot nodes; a background thread removes the one a worker names.
-
-    A worker writes its node id to ``marker_dir / marker``; the thread then calls
-    ``before(node_id)`` (if given; it returns whether to go on) and removes that node.
-    On exit the thread is joined (bounded) and the surviving fresh node is removed.
-
-    Yields:
-        The ids of the removed nodes (empty, or the one node).
-    """
-    nodes = [ray_cluster.add_node(num_cpus=2, resources={"slot": 2}) for _ in range(2)]
-    ray_cluster.wait_for_nodes()
-    removed: list[str] = []
-
-    def remove() -> None:
-        target = marker_dir / marker
-        if not loops.wait_until(target.exists, timeout_s=240):
-            return
-        node_id = target.read_text()
-        if before is not None and not before(node_id):
-            return
-        for node in nodes:
-            if node.node_id == node_id:
-                ray_cluster.remove_node(node, allow_graceful=graceful)
-                removed.append(node_id)
-
-    thread = threading.Thread(target=remove, daemon=True)
-    thread.start()
-    try:
-        yield removed
-        thread.join(10)
-    finally:
-        for node in nodes:
-            if node.node_id not in removed:
-                ray_cluster.remove_node(node)
-
-
 def test_lost_node_restarts_on_the_rest_and_ends_exactly(reference, ray_cluster, tmp_path):
     """A whole node dies with its worker and its shard; Ray Train restarts the run on
     the remaining nodes from the last checkpoint, and sync ends bit-identical."""
     marker_dir = tmp_path / "markers-node_lost"
     marker_dir.mkdir()
-    with _a_node_goes(ray_cluster, marker_dir, "node_to_remove") as removed:
+    with loops.a_node_goes(ray_cluster, marker_dir, "node_to_remove") as removed:
         result = PSTrainer(
             faults.resumable_loop,
             train_loop_config={
@@ -258,7 +210,7 @@ def test_preemption_checkpoints_the_shards_and_resumes_losing_at_most_one_step(
         _drain_for_preemption(node_id, deadline_s=60)
         return loops.wait_until((marker_dir / "preempt_checkpoint_1").exists, timeout_s=120)
 
-    with _a_node_goes(
+    with loops.a_node_goes(
         ray_cluster,
         marker_dir,
         "node_to_drain",

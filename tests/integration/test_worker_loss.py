@@ -9,6 +9,7 @@ worker reached. A restart of every worker keeps the shards' state too.
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import torch
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 
 from ray_ps_plugin import PSConfig, PSTrainer
-from tests.integration import loops, workerloss
+from tests.integration import faults, loops, workerloss
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -70,9 +71,7 @@ def uninterrupted(ray_cluster, tmp_path_factory):
 def test_a_killed_worker_is_replaced_alone_while_the_other_never_stops(
     tmp_path, uninterrupted, mode
 ):
-    result, out = _fit(
-        tmp_path, mode, PSConfig(**MODES[mode]), kill_rank=1, kill_step=KILL_STEP
-    )
+    result, out = _fit(tmp_path, mode, PSConfig(**MODES[mode]), kill_rank=1, kill_step=KILL_STEP)
     timelines = workerloss.read_timelines(out)
     killed = float((out / "killed").read_text())
     survivor, lost = timelines[0], timelines[1]
@@ -80,7 +79,7 @@ def test_a_killed_worker_is_replaced_alone_while_the_other_never_stops(
     assert len({r["pid"] for r in survivor}) == 1
     assert [r["step"] for r in survivor] == list(range(STEPS))
     times = [r["t"] for r in survivor]
-    assert max(b - a for a, b in zip(times, times[1:])) <= MAX_GAP_S
+    assert max(b - a for a, b in itertools.pairwise(times)) <= MAX_GAP_S
     # The replacement went on where the lost worker was (diloco: at the round the
     # others are in, from its first step: the lost worker's round is lost), within
     # 30 s, to the end.
@@ -132,3 +131,43 @@ def test_after_a_restart_of_every_worker_they_start_from_the_shards_not_the_chec
     saved = torch.load(checkpoint / "state.pt", weights_only=True)["model"]
     flat = torch.cat([v.reshape(-1) for v in saved.values()])
     assert (flat - kept).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_an_elastic_run_goes_on_with_one_worker_when_a_nodes_resources_go(
+    ray_cluster, tmp_path, mode
+):
+    """``num_workers=(1, 2)`` on two fresh nodes that hold one worker each: rank 1's
+    node is removed at step 12 and Ray Train restarts the run with the one worker
+    the remaining resources hold, from the last checkpoint (the removed node took
+    a shard with it); it finishes, and nothing is left."""
+    marker_dir = tmp_path / "markers"
+    marker_dir.mkdir()
+    with loops.a_node_goes(ray_cluster, marker_dir, "node_to_remove") as removed:
+        result = PSTrainer(
+            faults.resumable_loop,
+            train_loop_config={
+                "steps": 30,
+                "every": 5,
+                "marker_dir": str(marker_dir),
+                "lose_node_rank": 1,
+                "lose_node_step": 12,
+            },
+            ps_config=PSConfig(mode=mode, ps_timeout_s=20),
+            scaling_config=ScalingConfig(
+                num_workers=(1, 2),
+                resources_per_worker={"CPU": 0.5, "slot": 2},
+                placement_strategy="SPREAD",
+            ),
+            run_config=RunConfig(
+                storage_path=str(tmp_path / "storage"),
+                name=f"elastic-{mode}",
+                failure_config=FailureConfig(max_failures=2),
+            ),
+        ).fit()
+    assert len(removed) == 1
+    m = result.metrics
+    assert m["step"] == 30 and 0 < m["start"] <= 12
+    assert m["world_size"] == 1
+    assert loops.wait_until(lambda: loops.live_shards() == 0)
+    assert loops.wait_until(lambda: loops.live_placement_groups() == 0)

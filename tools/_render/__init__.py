@@ -6,7 +6,8 @@
 - one module per benchmark family, holding its renderers: :mod:`.step_time`,
   :mod:`.straggler` (and the digits runs), :mod:`.cost_curves`, :mod:`.resnet18`,
   :mod:`.net` (``net_step_time`` on the test bed, and the cost model),
-  :mod:`.wire_server`, :mod:`.chaos_soak`, :mod:`.diloco`, :mod:`.recsys`, :mod:`.dlrm`;
+  :mod:`.wire_server`, :mod:`.chaos_soak`, :mod:`.diloco`, :mod:`.recsys`, :mod:`.dlrm`,
+  :mod:`.worker_loss`;
 - :mod:`.driver`: the markers, the table of renderers, rewriting and checking the
   blocks, and the command line.
 

@@ -60,6 +60,7 @@ from .straggler import (
     straggler_table,
 )
 from .wire_server import wire_loop_cpu, wire_server_table
+from .worker_loss import worker_loss_figure, worker_loss_table
 
 BLOCK = re.compile(r"<!-- generated: (?P<spec>[^>]*?) -->(?P<body>.*?)<!-- end generated -->", re.S)
 OPENING = re.compile(r"<!-- generated: ")
@@ -108,6 +109,8 @@ RENDERERS: dict[str, Callable[..., str]] = {
         dlrm_table,
         dlrm_ratio,
         dlrm_loss_gap,
+        worker_loss_table,
+        worker_loss_figure,
     )
 }
 
