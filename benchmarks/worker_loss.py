@@ -47,9 +47,9 @@ for module in (_common, digits, loops, workerloss):
 
 STRATEGIES: dict[str, dict[str, Any]] = {
     "ddp": {"strategy": "ddp"},
-    "ps_async": {"mode": "async"},
-    "ps_ssp": {"mode": "ssp", "staleness": 4},
-    "ps_diloco": {"mode": "diloco", "local_steps": 16},
+    "ps_async": {"mode": "async", "replace_lost_workers": True},
+    "ps_ssp": {"mode": "ssp", "staleness": 4, "replace_lost_workers": True},
+    "ps_diloco": {"mode": "diloco", "local_steps": 16, "replace_lost_workers": True},
 }
 
 

@@ -201,7 +201,14 @@ class PSBackend(TorchBackend):
         except Exception as e:
             logger.warning("Could not reach every worker on shutdown: %s", e)
         finally:
-            if spec_of(cfg).keeps_state and not ended_cleanly(worker_group):
+            # A lone worker trains without DDP (Ray Train wraps only groups of two
+            # or more), so its shards hold nothing newer than what it checkpointed:
+            # keeping them would roll the next group back past its training.
+            if (
+                spec_of(cfg).keeps_state
+                and len(worker_group) > 1
+                and not ended_cleanly(worker_group)
+            ):
                 self._export(cfg)
             self._stop_servers()
             super().on_shutdown(worker_group, backend_config)

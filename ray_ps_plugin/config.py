@@ -135,16 +135,18 @@ class PSConfig(TorchConfig):
             end of the next round, plus the local progress since). Hides the
             transfer; changes the maths, so off by default.
         replace_lost_workers: ``"async"``, ``"ssp"``, ``"diloco"``, whose shards own
-            the run's state: whether a lost worker is replaced alone while the
-            others go on (Ray Train's replica groups of one worker each), or every
-            worker restarts (``False``, as under DDP). Either way the shards' state
-            is kept: a replacement or a restarted worker takes their parameters and
-            goes on from the step ``get_ps_context().start_step`` names, and a
-            checkpoint loaded then does not roll them back. A replaced worker must
-            make the same ``ray.train.report``/collective calls from that step on as
-            the others (start the loop at ``start_step``); a loop that cannot
-            (a barrier after loading its checkpoint, say) needs ``False``. Ignored
-            in ``"sync"``, which restarts every worker from its checkpoint, as DDP.
+            the run's state: ``True`` replaces a lost worker alone while the others
+            go on (Ray Train's replica groups of one worker each). The replacement
+            takes the shards' parameters and must go on from the step
+            ``get_ps_context().start_step`` names, making the same
+            ``ray.train.report``/collective calls from there as the others: Ray
+            Train pairs every worker's reports, and a loop that restarts from its
+            checkpoint's step instead makes more of them than the others and
+            waits for them at its last one. ``False`` (default) restarts every
+            worker, as under DDP, which any loop survives. Either way the shards'
+            state is kept over the restart: the workers start from it, and a
+            checkpoint loaded then does not roll it back. Ignored in ``"sync"``,
+            which restarts every worker from its checkpoint, as DDP.
         sparse_optimizer: Where the optimizer of sparse embedding tables
             (``nn.Embedding`` / ``nn.EmbeddingBag`` with ``sparse=True`` on a real
             device) runs. ``"workers"``: each worker's optimizer steps its own copy
@@ -192,7 +194,7 @@ class PSConfig(TorchConfig):
     outer_momentum: float = 0.9
     diloco_rounds: RoundMode = "sync"
     diloco_overlap: bool = False
-    replace_lost_workers: bool = True
+    replace_lost_workers: bool = False
     sparse_optimizer: SparseOptimizer | None = None
 
     def __post_init__(self) -> None:

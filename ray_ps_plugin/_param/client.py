@@ -130,10 +130,13 @@ class ParamClient(ClientBase):
     def _join(self) -> None:
         """Takes the live shards' parameters (not rank 0's, nor DDP's broadcast) and
         goes on from the clock the shards hold for this rank: what a worker that
-        died here had applied counts, what it had in flight was applied whole or not
-        at all, and nothing is pushed twice."""
+        died here had applied counts, and nothing is applied twice. A push in flight
+        at the death may have reached some shards and not others (each takes it
+        whole or not at all): going on from the lowest clock, this worker's first
+        update fills in the slices that missed it, and the shards that took it
+        ignore the repeat."""
         replies = self._pull(0)
-        self._clock = self.start_clock = max(r.clocks[self.rank] for r in replies)
+        self._clock = self.start_clock = min(r.clocks[self.rank] for r in replies)
         self._stamp = min(r.slowest for r in replies)
         with self._lock:
             self._stats.clock = self._stats.steps = self._clock

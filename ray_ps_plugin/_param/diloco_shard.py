@@ -143,9 +143,24 @@ class DilocoShard(ParamShard):
         self._tables.admit(rank)
 
     def export_state(self) -> dict[str, Any]:
-        """:meth:`ParamShard.export_state` and each model's outer optimizer."""
+        """:meth:`ParamShard.export_state` and each model's outer optimizer.
+
+        Synchronous rounds export the last round applied: a round some workers had
+        sent and others not is dropped, with those workers' clocks set back. Every
+        worker of the next group starts its loop at the same step, so their
+        clocks must agree, or one would wait in a round the others reach only
+        after a ``report`` it is not at.
+        """
         out = super().export_state()
         out["outer"] = {model: outer.export() for model, outer in self._outer.items()}
+        if not self.staleness:
+            for model, outer in out["outer"].items():
+                if outer["count"] and model in out["models"]:
+                    closed = outer["collecting"] - 1
+                    clocks = out["models"][model]["clocks"]
+                    out["models"][model]["clocks"] = [min(c, closed) for c in clocks]
+                    outer["sum"].zero_()
+                    outer["count"] = 0
         return out
 
     def import_state(self, exported: dict[str, Any]) -> None:

@@ -200,10 +200,16 @@ class ShardedTables:
             for t, s in pairs
         ]
         created = self.wait(handles, [s for _, s in pairs], "creating tables")
+        # A worker that died mid-push may have reached some shards and not others:
+        # going on from the lowest clock re-sends that update where it is missing
+        # (the shards that took it ignore the repeat).
+        clocks: dict[int, int] = {}
         for (t, s), (lo, hi, handle, clock) in zip(pairs, created):
-            t.clock = max(t.clock, clock)
+            clocks[t.ref.index] = min(clocks.get(t.ref.index, clock), clock)
             if handle is not None:
                 self._map_rows(t, s, lo, hi, handle)
+        for t in self.tables:
+            t.clock = clocks.get(t.ref.index, t.clock)
 
     def _look_up(self, t: Table, layer: Layer) -> None:
         """Gives ``layer`` a forward that looks its rows up through ``t``; a real

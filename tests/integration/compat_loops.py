@@ -991,7 +991,8 @@ def resume_loop(config: dict[str, Any]) -> None:
     first three optimizer steps, how far the parameters are from the checkpoint,
     relative to how far the checkpoint is from the restarted worker's fresh model
     (a run that trains on from the checkpoint stays near 0; one that fell back to
-    the fresh model is near 1).
+    the fresh model is near 1). In async, ssp and diloco "the checkpoint" is what
+    the model holds after loading it: the kept shards' newer parameters.
     """
     rank, _ = rank_and_world()
     checkpoint = ray.train.get_checkpoint()
@@ -1005,12 +1006,14 @@ def resume_loop(config: dict[str, Any]) -> None:
         with torch.no_grad():
             for p in net.parameters():
                 p.mul_(10.0)
+    # The fresh model as built (prepare_model broadcasts rank 0's, the same here; in
+    # async, ssp and diloco a restarted worker takes the kept shards' instead).
+    fresh = _flat(net)
     model = ray.train.torch.prepare_model(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     start = 0
-    fresh = ckpt_flat = None
+    ckpt_flat = None
     if checkpoint:
-        fresh = _flat(unwrap(model))
         with checkpoint.as_directory() as d:
             state = torch.load(f"{d}/resume.pt", weights_only=True)
         model.module.load_state_dict(state["model"])

@@ -139,7 +139,8 @@ def resumable_loop(config: dict[str, Any]) -> None:
                 metrics,
                 "state.pt",
                 lambda step=step, ctx=ctx: {
-                    "model": model.module.state_dict(),
+                    # A lone worker's model is not wrapped (an elastic run of one).
+                    "model": getattr(model, "module", model).state_dict(),
                     "optimizer": opt.state_dict(),
                     "step": step + 1,
                     "outer": ctx.outer_state_dict()

@@ -515,7 +515,8 @@ def test_resume_loading_after_prepare_model(runs, mode):
     """Rank 1 dies after step 12; the group restarts from the last checkpoint Ray
     Train registered (step 10, or 5), loaded the usual DDP way
     (``model.module.load_state_dict`` after prepare_model). Every mode must train on
-    from the checkpoint, not from a fresh initialisation; DDP and sync end exactly
+    from the checkpoint (async: from the kept shards' newer state, which the load
+    does not roll back), not from a fresh initialisation; DDP and sync end exactly
     where an uninterrupted DDP run ends."""
     run = runs.get("resume", mode, crash=True)
     m = run.metrics

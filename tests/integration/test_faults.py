@@ -263,14 +263,14 @@ def test_preemption_checkpoints_the_shards_and_resumes_losing_at_most_one_step(
     ids=["async", "diloco"],
 )
 def test_stale_mode_restart_keeps_the_shards_state_over_the_checkpoint(tmp_path, ps):
-    """A worker dies and every worker restarts (``replace_lost_workers=False``: the
-    loop has a barrier after loading its checkpoint, which a lone replacement would
-    call without the others). The shards' state is kept over the restart: the loop
+    """A worker dies and every worker restarts (the default
+    ``replace_lost_workers=False``; this loop could not be replaced alone: it has a
+    barrier after loading its checkpoint, which a replacement would call without
+    the others). The shards' state is kept over the restart: the loop
     loads its checkpoint (step 10, or 5), but the restarted shards hold every update
     applied until the failure, so what rank 1 reads from them differs from the
     checkpoint, and so does diloco's outer momentum; the run finishes."""
     name = f"{ps['mode']}_worker_dies"
-    ps = {**ps, "replace_lost_workers": False}
     result = _fit(tmp_path, name, retries=1, fail_rank=1, fail_step=12, ps=ps)
     m = result.metrics
     assert m["step"] == STEPS and m["start"] > 0

@@ -28,9 +28,9 @@ STEPS, KILL_STEP = 300, 140
 SLEEP_S = 0.04
 SCALING = ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5})
 MODES = {
-    "async": {"mode": "async"},
-    "ssp": {"mode": "ssp", "staleness": 4},
-    "diloco": {"mode": "diloco", "local_steps": 16},
+    "async": {"mode": "async", "replace_lost_workers": True},
+    "ssp": {"mode": "ssp", "staleness": 4, "replace_lost_workers": True},
+    "diloco": {"mode": "diloco", "local_steps": 16, "replace_lost_workers": True},
 }
 #: Longest time the surviving worker may take no step (on 2 cores the
 #: replacement's start competes for them), and the replacement's first step.
@@ -102,7 +102,7 @@ def test_with_checkpoints_every_50_steps_no_update_is_lost(tmp_path):
     finishes, and each worker's 300 updates are on the shards once (the clock each
     rank last saw for every rank)."""
     _, out = _fit(
-        tmp_path, "every50", PSConfig(mode="async"), kill_rank=1, kill_step=KILL_STEP, every=50
+        tmp_path, "every50", PSConfig(**MODES["async"]), kill_rank=1, kill_step=KILL_STEP, every=50
     )
     seen = [json.loads(p.read_text())["clocks"] for p in sorted(out.glob("clocks_rank*.json"))]
     assert [max(c[r] for c in seen) for r in range(2)] == [STEPS, STEPS]
@@ -117,9 +117,7 @@ def test_after_a_restart_of_every_worker_they_start_from_the_shards_not_the_chec
     restarts them all (``replace_lost_workers=False``): the new shards take the state
     the old ones held, and each restarted worker's first parameters are those, not
     the checkpoint's; its loop goes on from step 20."""
-    cfg = workerloss.RecordingConfig(
-        mode="async", replace_lost_workers=False, kept_dir=str(tmp_path)
-    )
+    cfg = workerloss.RecordingConfig(mode="async", kept_dir=str(tmp_path))
     _, out = _fit(tmp_path, "restart", cfg, raise_step=20, every=10)
     kept = torch.load(tmp_path / "kept_params.pt", weights_only=True)
     restarted = [torch.load(p, weights_only=True) for p in sorted(out.glob("first_*.pt"))]
@@ -133,6 +131,19 @@ def test_after_a_restart_of_every_worker_they_start_from_the_shards_not_the_chec
     assert (flat - kept).abs().max() > 1e-4
 
 
+def _until_elastic_runs_see_the_new_nodes() -> None:
+    """An elastic run sizes itself by Ray's autoscaling coordinator, which refreshes
+    its view of the nodes every 20 s once it exists (an earlier elastic run made
+    it): without this wait a second run would start with one worker."""
+    import time
+
+    import ray
+
+    names = ray.util.list_named_actors(all_namespaces=True)
+    if any(a["name"] == "AutoscalingCoordinator" for a in names):
+        time.sleep(21)
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_an_elastic_run_goes_on_with_one_worker_when_a_nodes_resources_go(
     ray_cluster, tmp_path, mode
@@ -144,6 +155,7 @@ def test_an_elastic_run_goes_on_with_one_worker_when_a_nodes_resources_go(
     marker_dir = tmp_path / "markers"
     marker_dir.mkdir()
     with loops.a_node_goes(ray_cluster, marker_dir, "node_to_remove") as removed:
+        _until_elastic_runs_see_the_new_nodes()
         result = PSTrainer(
             faults.resumable_loop,
             train_loop_config={

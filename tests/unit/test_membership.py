@@ -172,3 +172,27 @@ def test_diloco_exports_its_outer_state():
         assert (await new.outer_state(0))[1] == 3
 
     _run(main())
+
+
+def test_diloco_sync_rounds_export_the_last_round_applied():
+    """Rank 0 sent round 2, rank 1 died before sending it: the export drops that
+    half-collected round and sets rank 0's clock back, so the next group's workers,
+    which all start their loop at the same step, send round 2 together."""
+
+    async def main():
+        old = DilocoShard(0, 2, 0, 0.5, None, "average", 1.0, 0.9)
+        await old.init(0, np.zeros(4, np.float32))
+        both = [old.push_pull(0, r, 1, np.full(4, 2.0, np.float32)) for r in (0, 1)]
+        await asyncio.gather(*both)
+        pending = asyncio.ensure_future(old.push_pull(0, 0, 2, np.full(4, 8.0, np.float32)))
+        await asyncio.sleep(0.01)
+        exported = old.export_state()
+        pending.cancel()
+        assert exported["models"][0]["clocks"] == [1, 1]
+        new = DilocoShard(0, 2, 0, 0.5, None, "average", 1.0, 0.9)
+        new.import_state(exported)
+        both = [new.push_pull(0, r, 2, np.full(4, 4.0, np.float32)) for r in (0, 1)]
+        replies = await asyncio.wait_for(asyncio.gather(*both), 1)
+        np.testing.assert_allclose(replies[0].params, np.full(4, 6.0), rtol=0)
+
+    _run(main())

@@ -434,3 +434,36 @@ def test_a_nan_update_raises_before_it_reaches_any_shard(loop, shared):
     for s, before in zip(servers, on_shards):
         assert s._models[0].clocks[0] == 1
         torch.testing.assert_close(s._models[0].params, before, atol=0, rtol=0)
+
+
+def test_a_joining_worker_fills_in_a_push_its_predecessor_sent_to_some_shards_only(loop):
+    """Rank 1 dies with its update of clock 2 taken by shard 1 and not shard 0 (each
+    shard takes a push whole or not at all). Its replacement goes on from clock 1,
+    the lowest: its update of clock 2 is applied on shard 0 and ignored by shard
+    1, and its next is clock 3 on both, not refused as a gap on shard 0."""
+    import dataclasses
+
+    import numpy as np
+
+    servers, transport, models, clients = _setup(loop, 2, shards=2, staleness=None)
+    for rank in (0, 1):
+        _sgd_step(
+            models[rank],
+            torch.optim.SGD(models[rank].parameters(), lr=0.1),
+            clients[rank],
+            torch.randn(4, 5),
+            torch.randn(4, 3),
+        )
+        clients[rank].sync()
+    size = servers[1]._models[0].params.numel()
+    loop.run(servers[1].push_pull(0, 1, 2, np.zeros(size, np.float32))).result(5)
+    joined = dataclasses.replace(clients[1].setup, joined=True)
+    replacement = ParamClient.build(joined, transport)
+    replacement._join()
+    assert replacement.start_step == 1
+    opt = torch.optim.SGD(models[1].parameters(), lr=0.1)
+    for _ in range(2):
+        _sgd_step(models[1], opt, replacement, torch.randn(4, 5), torch.randn(4, 3))
+    replacement.sync()
+    assert [s._models[0].clocks[1] for s in servers] == [3, 3]
+    assert servers[1]._duplicates == 1
