@@ -65,9 +65,10 @@ class ModeSpec:
         sums_tables: Whether a table's pushes of one clock are summed and applied
             together (sync), rather than each as it comes.
         keeps_state: Whether the shards own the run's state (parameters, and
-            clocks) rather than a step's sums: then a lost worker is replaced alone
-            and joins the live shards, and a restart of every worker takes the
-            shards' state along instead of going back to a checkpoint.
+            clocks) rather than a step's sums: then a restart of every worker takes
+            the shards' state along instead of going back to a checkpoint, and
+            (``replace_lost_workers``) a lost worker can be replaced alone and join
+            the live shards.
         relays_chunks: Whether a node's first shard sums the node's workers' chunks
             before they cross the network (sync), so ``server_placement="auto"``
             may start one shard per node instead of one per worker.
