@@ -118,7 +118,7 @@ def test_after_a_restart_of_every_worker_they_start_from_the_shards_not_the_chec
     the old ones held, and each restarted worker's first parameters are those, not
     the checkpoint's; its loop goes on from step 20."""
     cfg = workerloss.RecordingConfig(mode="async", kept_dir=str(tmp_path))
-    _, out = _fit(tmp_path, "restart", cfg, raise_step=20, every=10)
+    _, out = _fit(tmp_path, "restart", cfg, raise_step=20, every=10, wait_for_all_firsts=True)
     kept = torch.load(tmp_path / "kept_params.pt", weights_only=True)
     restarted = [torch.load(p, weights_only=True) for p in sorted(out.glob("first_*.pt"))]
     restarted = [r for r in restarted if r["start"]]

@@ -35,7 +35,9 @@ from tests.integration import digits
 def timeline_loop(config: dict[str, Any]) -> None:
     """``steps`` SGD steps of the digits MLP per worker (batch 32, ``sleep_s`` of
     pretend work after each); checkpoints every ``every`` steps if set; rank 0
-    reports the final model."""
+    reports the final model. ``wait_for_all_firsts``: a barrier once every worker
+    has recorded its first parameters (not for a lone replacement: the others
+    would not be at it)."""
     ctx = ray.train.get_context()
     rank = ctx.get_world_rank()
     xtr, ytr, _, _ = digits.load_digits_split()
@@ -48,6 +50,10 @@ def timeline_loop(config: dict[str, Any]) -> None:
         {"start": start, "params": first},
         Path(config["out_dir"]) / f"first_{rank}_{os.getpid()}.pt",
     )
+    if config.get("wait_for_all_firsts"):
+        # Every worker has read its first parameters before any steps: otherwise
+        # one's first update could reach the shards before another joins them.
+        ray.train.collective.barrier()
     out = Path(config["out_dir"]) / f"timeline_rank{rank}.jsonl"
     g = torch.Generator().manual_seed(1000 * rank + start)
     with out.open("a") as log:
