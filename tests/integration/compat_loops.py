@@ -45,7 +45,7 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from ray_ps_plugin import get_ps_context
-from tests.integration.loops import recsys_step, report_with_state
+from tests.integration.loops import recsys_step, report_with_state, unwrap
 
 T = TypeVar("T")
 
@@ -85,11 +85,6 @@ def attempt(errors: dict[str, str], name: str, fn: Callable[[], T]) -> T | None:
     except Exception as e:
         errors.setdefault(name, describe(e))
         return None
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module inside a DDP (or PS) wrapper."""
-    return model.module if hasattr(model, "module") else model
 
 
 def snapshot(module: nn.Module) -> dict[str, torch.Tensor]:

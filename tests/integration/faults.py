@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from ray_ps_plugin import get_ps_context
-from tests.integration.loops import report_with_state
+from tests.integration.loops import report_with_state, unwrap
 
 
 def _model() -> nn.Module:
@@ -139,8 +139,7 @@ def resumable_loop(config: dict[str, Any]) -> None:
                 metrics,
                 "state.pt",
                 lambda step=step, ctx=ctx: {
-                    # A lone worker's model is not wrapped (an elastic run of one).
-                    "model": getattr(model, "module", model).state_dict(),
+                    "model": unwrap(model).state_dict(),
                     "optimizer": opt.state_dict(),
                     "step": step + 1,
                     "outer": ctx.outer_state_dict()

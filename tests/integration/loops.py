@@ -208,6 +208,12 @@ def wait_until(pred, timeout_s: float = 20.0) -> bool:
     return pred()
 
 
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside a DDP (or PS) wrapper; a lone worker's model (an
+    elastic run of one) is not wrapped."""
+    return model.module if hasattr(model, "module") else model
+
+
 @contextlib.contextmanager
 def a_node_goes(
     ray_cluster,

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 
@@ -135,10 +137,6 @@ def _until_elastic_runs_see_the_new_nodes() -> None:
     """An elastic run sizes itself by Ray's autoscaling coordinator, which refreshes
     its view of the nodes every 20 s once it exists (an earlier elastic run made
     it): without this wait a second run would start with one worker."""
-    import time
-
-    import ray
-
     names = ray.util.list_named_actors(all_namespaces=True)
     if any(a["name"] == "AutoscalingCoordinator" for a in names):
         time.sleep(21)

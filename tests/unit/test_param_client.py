@@ -1,8 +1,10 @@
 """ParamClient (async/ssp worker side) against real ParamShards, no Ray."""
 
+import dataclasses
 import logging
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -441,10 +443,6 @@ def test_a_joining_worker_fills_in_a_push_its_predecessor_sent_to_some_shards_on
     shard takes a push whole or not at all). Its replacement goes on from clock 1,
     the lowest: its update of clock 2 is applied on shard 0 and ignored by shard
     1, and its next is clock 3 on both, not refused as a gap on shard 0."""
-    import dataclasses
-
-    import numpy as np
-
     servers, transport, models, clients = _setup(loop, 2, shards=2, staleness=None)
     for rank in (0, 1):
         _sgd_step(
