@@ -29,7 +29,8 @@ from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
 from ray_ps_plugin._param.outer import OuterState
 from ray_ps_plugin._param.relay import RelayGroup
 from ray_ps_plugin._param.reply import Reply
-from ray_ps_plugin._param.shard import ParamShard, _ParamState
+from ray_ps_plugin._param.shard import ParamShard
+from ray_ps_plugin._param.state import ParamState
 from ray_ps_plugin._shard import rejoin_clock
 from ray_ps_plugin._types import Compression, OuterOptimizer
 
@@ -71,7 +72,7 @@ class DilocoShard(ParamShard):
         self._relayed: frozenset[int] = frozenset()
         self._groups: dict[tuple[int, int, int], RelayGroup] = {}
 
-    def _outer_state(self, model: int, state: _ParamState) -> OuterState:
+    def _outer_state(self, model: int, state: ParamState) -> OuterState:
         outer = self._outer.get(model)
         if outer is None:
             assert state.params is not None
@@ -81,7 +82,7 @@ class DilocoShard(ParamShard):
             )
         return outer
 
-    def _apply(self, model: int, state: _ParamState, rank: int, update: torch.Tensor) -> None:
+    def _apply(self, model: int, state: ParamState, rank: int, update: torch.Tensor) -> None:
         assert state.params is not None
         outer = self._outer_state(model, state)
         if self.staleness:
@@ -90,7 +91,7 @@ class DilocoShard(ParamShard):
             outer.add(update.to(torch.float32), state.clocks[rank])
             self._close_round(model, state)
 
-    def _close_round(self, model: int, state: _ParamState) -> None:
+    def _close_round(self, model: int, state: ParamState) -> None:
         """Synchronous rounds: applies the round once every unfinished worker sent it.
 
         Called in the same event-loop turn that counts a push (before the waiting
@@ -239,7 +240,7 @@ class DilocoShard(ParamShard):
             return reply
 
     def _forward_if_complete(
-        self, key: tuple[int, int, int], group: RelayGroup, state: _ParamState
+        self, key: tuple[int, int, int], group: RelayGroup, state: ParamState
     ) -> None:
         """Sends the node's sum on once every worker of the node still training is in."""
         if group.forward is not None or not self._relayed - state.finished <= set(group.ranks):
@@ -300,6 +301,7 @@ class DilocoShard(ParamShard):
                 outer = self._outer_state(model, state)
                 outer.add(values.to(torch.float32), clock, count=len(ranks))
                 self._close_round(model, state)
+                self._serve_waiting(model, state)
                 self._pushes += len(ranks)
                 self._bytes_in += total.nbytes
                 async with self._changed:

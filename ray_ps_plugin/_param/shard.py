@@ -13,6 +13,9 @@ often it is delivered. With a staleness bound ``s`` a push completing clock ``c`
 is answered only once every worker has reached clock ``c - s``: the parameters the
 worker then trains on already contain every update of clock ``<= c - s`` from
 everybody. ``s = 0`` is bulk-synchronous; no bound (``"async"``) never waits.
+A held-back read is answered in the event-loop turn of the update that lets it
+through, before a later one lands: with ``s = 0`` a worker at clock ``c`` trains on
+exactly clock ``c``'s parameters, as DDP does.
 
 Master parameters are kept in the model's dtype, widened to fp32 for 16-bit models
 (fp16 and bf16), so small updates are not lost to 16-bit rounding: each worker's
@@ -22,7 +25,6 @@ delta is added to the fp32 master, and workers receive it rounded to their dtype
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -32,6 +34,7 @@ from ray_ps_plugin._codec import Codec, as_torch
 from ray_ps_plugin._dtypes import model_dtype, storage
 from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
 from ray_ps_plugin._param.reply import Reply
+from ray_ps_plugin._param.state import ParamState, Waiting
 from ray_ps_plugin._shard import resized
 from ray_ps_plugin._shm import Segment, SegmentHandle
 from ray_ps_plugin._tables.host import TableHost
@@ -39,35 +42,6 @@ from ray_ps_plugin._types import Compression
 from ray_ps_plugin._wire.frames import PARAM_LOCAL, Frame
 
 __all__ = ["ParamShard", "Reply"]
-
-
-@dataclass
-class _ParamState:
-    """One prepared model's state on this shard."""
-
-    num_workers: int
-    params: torch.Tensor | None = None  # the master copy of this shard's slice
-    dtype: str = "float32"  # the model's dtype: what workers send and receive
-    clocks: list[int] = field(default_factory=list)
-    finished: set[int] = field(default_factory=set)  # no longer holds the others back
-    # Replacements that go on from their own clock and hold no one back until they
-    # are within the bound again (see ParamShard.admit).
-    free: set[int] = field(default_factory=set)
-    generation: int = 0  # bumped by every reseed (a checkpoint loaded mid-run)
-    initialised: asyncio.Event = field(default_factory=asyncio.Event)
-    # Workers of this node attached through shared memory: input, two outputs.
-    lanes: dict[int, tuple[Segment, tuple[Segment, Segment]]] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.clocks = [0] * self.num_workers
-
-    def slowest(self) -> int:
-        """The slowest clock the others wait for: of the workers still training that
-        are not catching up after a replacement."""
-        active = [
-            c for r, c in enumerate(self.clocks) if r not in self.finished and r not in self.free
-        ]
-        return min(active) if active else max(self.clocks)
 
 
 class ParamShard(TableHost):
@@ -94,14 +68,14 @@ class ParamShard(TableHost):
         super().__init__(shard_index, num_workers, timeout_s)
         self._codec = Codec(compression)
         self.staleness = staleness
-        self._models: dict[int, _ParamState] = {}
+        self._models: dict[int, ParamState] = {}
         self._changed = asyncio.Condition()
         self._max_read_gap = 0
 
-    def _model(self, model: int) -> _ParamState:
+    def _model(self, model: int) -> ParamState:
         state = self._models.get(model)
         if state is None:
-            state = self._models[model] = _ParamState(self.num_workers)
+            state = self._models[model] = ParamState(self.num_workers)
         return state
 
     def attach(
@@ -267,7 +241,9 @@ class ParamShard(TableHost):
     async def finish(self, model: int, rank: int) -> None:
         """Marks a worker whose loop ended: the others stop waiting for it."""
         self._check(model, rank)
-        self._model(model).finished.add(rank)
+        state = self._model(model)
+        state.finished.add(rank)
+        self._serve_waiting(model, state)
         async with self._changed:
             self._changed.notify_all()
 
@@ -287,14 +263,15 @@ class ParamShard(TableHost):
         (ssp) the others ran ahead meanwhile: it holds no one back until it is
         within the bound again."""
         self._check(0, rank)
-        for state in self._models.values():
+        for model, state in self._models.items():
             state.finished.discard(rank)
             if self.staleness is not None:
                 state.free.add(rank)
                 self._catch_up(state, rank)
+                self._serve_waiting(model, state)
         self._tables.admit(rank)
 
-    def _catch_up(self, state: _ParamState, rank: int) -> None:
+    def _catch_up(self, state: ParamState, rank: int) -> None:
         """A free rank within the bound of the others again waits and is waited for."""
         if rank in state.free and state.clocks[rank] >= state.slowest() - (self.staleness or 0):
             state.free.discard(rank)
@@ -330,7 +307,7 @@ class ParamShard(TableHost):
 
     async def _push_pull(
         self,
-        state: _ParamState,
+        state: ParamState,
         model: int,
         rank: int,
         clock: int,
@@ -348,6 +325,7 @@ class ParamShard(TableHost):
             state.clocks[rank] = clock
             self._apply(model, state, rank, update)
             self._catch_up(state, rank)
+            self._serve_waiting(model, state)
             self._pushes += 1
             self._bytes_in += nbytes
             async with self._changed:
@@ -371,7 +349,7 @@ class ParamShard(TableHost):
                 "the workers' models differ."
             )
 
-    def _apply(self, model: int, state: _ParamState, rank: int, update: torch.Tensor) -> None:
+    def _apply(self, model: int, state: ParamState, rank: int, update: torch.Tensor) -> None:
         """Applies one update of ``rank`` (its clock is already counted)."""
         assert state.params is not None
         # Each worker contributes 1/W of its step: W updates, one from each worker,
@@ -379,7 +357,7 @@ class ParamShard(TableHost):
         # rates tuned for DDP carry over.
         state.params.add_(update.to(state.params.dtype), alpha=1.0 / self.num_workers)
 
-    async def _wait_initialised(self, state: _ParamState, model: int, rank: int) -> torch.Tensor:
+    async def _wait_initialised(self, state: ParamState, model: int, rank: int) -> torch.Tensor:
         if not state.initialised.is_set():
             try:
                 await asyncio.wait_for(state.initialised.wait(), self.timeout_s)
@@ -393,7 +371,7 @@ class ParamShard(TableHost):
         return state.params
 
     def _lane(
-        self, state: _ParamState, model: int, rank: int
+        self, state: ParamState, model: int, rank: int
     ) -> tuple[Segment, tuple[Segment, Segment]]:
         lane = state.lanes.get(rank)
         if lane is None:
@@ -404,18 +382,19 @@ class ParamShard(TableHost):
         return lane
 
     async def _read(
-        self, state: _ParamState, model: int, rank: int, clock: int, slot: int | None = None
+        self, state: ParamState, model: int, rank: int, clock: int, slot: int | None = None
     ) -> Reply:
         if self.staleness is not None and rank not in state.free:
             need = clock - self.staleness
             if state.slowest() < need:
+                waiting = Waiting(
+                    rank, clock, need, slot, asyncio.get_running_loop().create_future()
+                )
+                state.waiting.append(waiting)
                 try:
-                    async with self._changed:
-                        await asyncio.wait_for(
-                            self._changed.wait_for(lambda: state.slowest() >= need),
-                            self.timeout_s,
-                        )
+                    return await asyncio.wait_for(waiting.answer, self.timeout_s)
                 except asyncio.TimeoutError:
+                    state.waiting = [w for w in state.waiting if w is not waiting]
                     behind = {
                         r: c
                         for r, c in enumerate(state.clocks)
@@ -428,6 +407,22 @@ class ParamShard(TableHost):
                         f"{self.staleness}); a worker is stuck or dead. Raise "
                         "PSConfig.staleness or ps_timeout_s if it is only slow."
                     ) from None
+        return self._answer(state, model, rank, clock, slot)
+
+    def _serve_waiting(self, model: int, state: ParamState) -> None:
+        """Answers the held-back reads the clocks, just changed, let through."""
+        for w in state.let_through():
+            if w.answer.done():  # its wait timed out in this same turn
+                continue
+            try:
+                w.answer.set_result(self._answer(state, model, w.rank, w.clock, w.slot))
+            except Exception as e:  # the reader's error, not the pusher's
+                w.answer.set_exception(e)
+
+    def _answer(
+        self, state: ParamState, model: int, rank: int, clock: int, slot: int | None
+    ) -> Reply:
+        """The parameters as they are now, for a read of ``rank`` at ``clock``."""
         assert state.params is not None
         slowest = state.slowest()
         self._max_read_gap = max(self._max_read_gap, clock - slowest)

@@ -120,6 +120,29 @@ def test_ssp_zero_is_bulk_synchronous():
     np.testing.assert_array_equal(a, b)  # both see both updates
 
 
+def test_ssp_zero_answers_a_held_reader_before_any_later_update_lands():
+    # Rank 1 completes clock 1, which lets rank 0's held read through, and its push
+    # of clock 2 is already queued behind it: rank 0 must get exactly clock 1's
+    # parameters. (Woken a few loop turns later, it once read clock 2's update.)
+    async def main():
+        s = ParamShard(0, num_workers=2, staleness=0, timeout_s=5)
+        await s.init(0, _arr(0, 0))
+        held = asyncio.ensure_future(s.push_pull(0, 0, 1, _arr(2, 0)))
+        await asyncio.sleep(0.01)
+        assert not held.done()
+        first = asyncio.ensure_future(s.push_pull(0, 1, 1, _arr(0, 2)))
+        later = asyncio.ensure_future(s.push_pull(0, 1, 2, _arr(0, 100)))
+        await asyncio.gather(first, asyncio.sleep(0.01))
+        reply = await held
+        later.cancel()  # it waits for rank 0's clock 2, which never comes
+        return reply, first.result()
+
+    (params, clocks, slowest), (ranks1, _, _) = _run(main())
+    np.testing.assert_array_equal(params, _arr(1, 1))
+    np.testing.assert_array_equal(ranks1, _arr(1, 1))
+    assert clocks == (1, 1) and slowest == 1
+
+
 def test_ssp_timeout_names_the_slow_worker_and_its_clock():
     async def main():
         s = ParamShard(1, num_workers=3, staleness=0, timeout_s=0.2)
