@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -175,6 +176,9 @@ def main() -> None:
         remeasure(args.remeasure, args.plot)
         return
     names = args.strategies.split(",")
+    # A report no other worker makes fails the run after 5 minutes instead of
+    # hanging the benchmark (Ray Train's collectives wait for ever by default).
+    os.environ.setdefault("RAY_TRAIN_COLLECTIVE_TIMEOUT_S", "300")
     ray.init(num_cpus=2)
     storage = tempfile.mkdtemp(prefix="worker-loss-")
     summary, killed_runs = {}, {}

@@ -145,6 +145,11 @@ class ClientBase(abc.ABC):
         """Waits until this worker's updates are applied on every shard."""
         self.raise_pending()
 
+    def peers_behind(self) -> bool:
+        """Whether, on the shards, another worker has yet to reach the clock this
+        one is at (sync clients keep no clocks: never)."""
+        return False
+
     @property
     def start_step(self) -> int:
         """The optimizer step this worker went on from (``start_clock`` counts steps

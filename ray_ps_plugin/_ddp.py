@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ray_ps_plugin import _runtime, _torch_compat
+from ray_ps_plugin import _ray_compat, _runtime, _torch_compat
 from ray_ps_plugin._modes import real_tables, spec_of
 from ray_ps_plugin._tables import client as _table_client
 from ray_ps_plugin._tables import layers as _table_layers
@@ -160,6 +160,8 @@ def attach(ddp: PSDistributedDataParallel) -> None:
     _runtime.register(client)
     client.bind(ddp)  # sync: registers the servers' comm hook
     ddp._ps_owns_comm = True
+    if spec.keeps_state and info.settings.replace_lost_workers:
+        _ray_compat.redo_reset_reports(client.peers_behind)
     mode = _table_client.TableMode(
         sync=spec.sums_tables, staleness=spec.bound(info.settings), real=real_tables(info.settings)
     )

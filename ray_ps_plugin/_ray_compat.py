@@ -12,6 +12,8 @@ there, loudly, instead of deep inside a run.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,12 +43,19 @@ __all__ = [
     "is_replica_group",
     "kill_workers",
     "ping_actor",
+    "redo_reset_reports",
     "trial_storage",
     "worker_placement_group",
     "worker_places",
 ]
 
 CHECKED_RAY_VERSION = "2.60.0"
+
+logger = logging.getLogger(__name__)
+
+# A report is gone through again once per barrier reset, i.e. per replacement; more
+# in a row means something else is wrong, and Ray Train's own skip then stands.
+_MAX_REDOS = 8
 
 TorchBackend = _TorchBackend
 
@@ -154,3 +163,43 @@ def ended_cleanly(worker_group: Any) -> bool:
     """
     status = worker_group.get_latest_poll_status()
     return status is not None and bool(status.finished) and not status.errors
+
+
+def redo_reset_reports(redo: Callable[[], bool]) -> None:
+    """Makes this worker's ``ray.train.report`` go through again a report Ray Train
+    skipped because a replica group's replacement reset the report barrier, when
+    ``redo()`` says another worker will still make that report.
+
+    Otherwise the workers' reports fall out of step: the survivor's next report
+    meets the replacement's repeat of the skipped one, and at the end one worker
+    waits at a report no one else makes.
+
+    Checked against Ray 2.60.0: ``TrainContext.report`` (ray/train/v2/_internal/
+    execution/context.py) catches ``SynchronizationBarrierResetError``, logs
+    "Skipping this report", puts ``report_call_index`` back and returns;
+    ``ray.train.report`` calls ``report`` on the worker's ``get_train_context()``,
+    whose instance attribute shadows the method.
+    """
+    from ray.train.v2._internal.execution.context import get_train_context
+
+    ctx = get_train_context()
+    if getattr(ctx, "_ps_redoes_reports", False):
+        return
+    original = ctx.report
+
+    def report(*args: Any, **kwargs: Any) -> Any:
+        result = None
+        for _ in range(_MAX_REDOS):
+            before = ctx.report_call_index
+            result = original(*args, **kwargs)
+            if ctx.report_call_index != before or not redo():
+                return result
+            logger.warning(
+                "A lost worker's replacement reset this report's barrier; it will make "
+                "this report again, so this worker goes through it again and waits for it."
+            )
+        return result
+
+    # setattr: instance attributes Ray's class does not declare.
+    setattr(ctx, "report", report)  # noqa: B010
+    setattr(ctx, "_ps_redoes_reports", True)  # noqa: B010

@@ -90,3 +90,4 @@ class RunSettings(Protocol):
     diloco_rounds: RoundMode
     diloco_overlap: bool
     sparse_optimizer: SparseOptimizer | None
+    replace_lost_workers: bool

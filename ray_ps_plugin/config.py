@@ -142,10 +142,10 @@ class PSConfig(TorchConfig):
             ``ray.train.report``/collective calls from there as the others: Ray
             Train pairs every worker's reports, and a loop that restarts from its
             checkpoint's step instead makes more of them than the others and
-            waits for them at its last one; a survivor waiting at a report when
-            the replacement starts skips it (Ray Train resets the barrier), with
-            the same end, so opted-in loops should not report mid-run (see
-            docs/fault-tolerance.md). ``False`` (default) restarts every
+            waits for them at its last one. (A survivor waiting at a report when
+            the replacement starts, which Ray Train then skips, goes through it
+            again when the replacement will make it: see
+            docs/fault-tolerance.md.) ``False`` (default) restarts every
             worker, as under DDP, which any loop survives. Either way the shards'
             state is kept over the restart: the workers start from it, and a
             checkpoint loaded then does not roll it back. Ignored in ``"sync"``,

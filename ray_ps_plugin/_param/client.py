@@ -141,6 +141,15 @@ class ParamClient(ClientBase):
         with self._lock:
             self._stats.clock = self._stats.steps = self._clock
 
+    def peers_behind(self) -> bool:
+        """Whether another rank's clock on the shards (the lowest over them) is below
+        this worker's: that worker, or the one replacing it, has yet to step past
+        where this one is."""
+        handles = [self._transport.call(s, "stats") for s in range(self.num_shards)]
+        stats = self._wait(handles, "reading the workers' clocks")
+        clocks = [min(cs) for cs in zip(*(st["clocks"][self.model_id] for st in stats))]
+        return any(c < self._clock for r, c in enumerate(clocks) if r != self.rank)
+
     def _start(self) -> None:
         """Rank 0 seeds the shards with its parameters (identical on every rank
         after DDP's initial broadcast); it waits so a failure surfaces here."""

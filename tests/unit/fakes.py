@@ -227,6 +227,7 @@ class Settings:
         diloco_rounds="sync",
         diloco_overlap=False,
         sparse_optimizer=None,
+        replace_lost_workers=False,
     ):
         self.mode, self.staleness, self.chunk_bytes = mode, staleness, chunk_bytes
         self.ps_timeout_s, self.nan_policy = ps_timeout_s, nan_policy
@@ -235,6 +236,7 @@ class Settings:
         self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
         self.diloco_rounds, self.diloco_overlap = diloco_rounds, diloco_overlap
         self.sparse_optimizer = sparse_optimizer
+        self.replace_lost_workers = replace_lost_workers
 
 
 def setup_for(

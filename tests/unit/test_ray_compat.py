@@ -93,3 +93,60 @@ def test_actor_table_is_available():
     import ray._private.state
 
     assert callable(ray._private.state.actors)
+
+
+def test_a_report_skipped_on_a_barrier_reset_is_what_the_wrapper_detects():
+    # Ray Train skips a report whose barrier a replacement reset and puts its index
+    # back: the wrapper tells a skip from a report by that index alone.
+    from ray.train.v2._internal.execution.context import TrainContext
+
+    source = inspect.getsource(TrainContext.report)
+    assert "SynchronizationBarrierResetError" in source
+    assert "self.report_call_index -= 1" in source
+
+
+class _Context:
+    """A train context whose reports the barrier resets ``resets`` times first."""
+
+    def __init__(self, resets: int) -> None:
+        self.report_call_index = 0
+        self.resets = resets
+        self.calls = []
+
+    def report(self, metrics, checkpoint=None):
+        self.calls.append(metrics)
+        self.report_call_index += 1
+        if self.resets:  # skipped: the index goes back
+            self.resets -= 1
+            self.report_call_index -= 1
+
+
+def _wrapped(monkeypatch, context, redo):
+    from ray.train.v2._internal.execution import context as ray_context
+
+    monkeypatch.setattr(ray_context, "get_train_context", lambda: context)
+    _ray_compat.redo_reset_reports(redo)
+    _ray_compat.redo_reset_reports(redo)  # a second model wraps nothing more
+
+
+def test_a_skipped_report_is_made_again_when_another_worker_will_make_it(monkeypatch):
+    ctx = _Context(resets=1)
+    _wrapped(monkeypatch, ctx, lambda: True)
+    ctx.report({"step": 150})
+    ctx.report({"step": 200})
+    assert ctx.calls == [{"step": 150}, {"step": 150}, {"step": 200}]
+    assert ctx.report_call_index == 2
+
+
+def test_a_skipped_report_stays_skipped_when_no_one_will_make_it(monkeypatch):
+    ctx = _Context(resets=1)
+    _wrapped(monkeypatch, ctx, lambda: False)
+    ctx.report({"step": 150})
+    assert ctx.calls == [{"step": 150}] and ctx.report_call_index == 0
+
+
+def test_reports_go_through_again_a_bounded_number_of_times(monkeypatch):
+    ctx = _Context(resets=100)
+    _wrapped(monkeypatch, ctx, lambda: True)
+    ctx.report({"step": 150})
+    assert len(ctx.calls) == _ray_compat._MAX_REDOS
