@@ -142,13 +142,24 @@ class ParamClient(ClientBase):
             self._stats.clock = self._stats.steps = self._clock
 
     def peers_behind(self) -> bool:
-        """Whether another rank's clock on the shards (the lowest over them) is below
-        this worker's: that worker, or the one replacing it, has yet to step past
-        where this one is."""
+        """Whether another rank's clock on the shards (the lowest over them) is at a
+        step before the one this worker's loop is at: that worker, or the one
+        replacing it, has yet to step past where this one is."""
         handles = [self._transport.call(s, "stats") for s in range(self.num_shards)]
         stats = self._wait(handles, "reading the workers' clocks")
         clocks = [min(cs) for cs in zip(*(st["clocks"][self.model_id] for st in stats))]
-        return any(c < self._clock for r, c in enumerate(clocks) if r != self.rank)
+        here = self.loop_step
+        return any(self.step_of(c) < here for r, c in enumerate(clocks) if r != self.rank)
+
+    @property
+    def loop_step(self) -> int:
+        """The optimizer steps this worker's loop has taken, counted from the run's
+        start (a replacement's from where it went on)."""
+        return self._clock
+
+    def step_of(self, clock: int) -> int:
+        """The loop step a worker that goes on from ``clock`` starts at."""
+        return clock
 
     def _start(self) -> None:
         """Rank 0 seeds the shards with its parameters (identical on every rank

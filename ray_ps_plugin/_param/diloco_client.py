@@ -97,7 +97,14 @@ class DilocoClient(ParamClient):
         """A clock counts rounds of ``local_steps`` steps: the step the round this
         worker went on from starts at (the local steps of the round a worker it
         replaces was in are not on the shards, so they are taken again)."""
-        return self.start_clock * self._local_steps
+        return self.step_of(self.start_clock)
+
+    @property
+    def loop_step(self) -> int:
+        return self.start_step + self._steps
+
+    def step_of(self, clock: int) -> int:
+        return clock * self._local_steps
 
     def flush(self) -> None:
         """Sends the steps taken since the last round as a shorter round and installs

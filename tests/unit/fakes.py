@@ -1,6 +1,7 @@
 """A fake transport: real shard objects on an in-process event loop, no Ray."""
 
 import asyncio
+import inspect
 import itertools
 import threading
 from collections.abc import Callable
@@ -170,7 +171,10 @@ class FakeTransport:
         self.calls.append(
             (method, shard, *[a.size if isinstance(a, np.ndarray) else a for a in args])
         )
-        coro = getattr(self.servers[shard], method)(*[_copy(a) for a in args])
+        fn = getattr(self.servers[shard], method)
+        args = [_copy(a) for a in args]
+        # A plain method (``stats``) runs on the shard's loop too, as in a Ray actor.
+        coro = fn(*args) if inspect.iscoroutinefunction(fn) else _call_on_loop(fn, args)
         return self.loop.run(self._gated(coro))
 
     def attach(self, shard, model, rank, inputs, lo, nbytes):
@@ -187,6 +191,10 @@ class FakeTransport:
 
     def pushes(self):
         return [c for c in self.calls if c[0] in ("push_pull", "push_local")]
+
+
+async def _call_on_loop(fn, args):
+    return fn(*args)
 
 
 class FakeBucket:

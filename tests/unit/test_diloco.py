@@ -488,3 +488,17 @@ def test_a_relay_whose_owner_does_not_answer_names_the_owner(loop):
     loop.run(shard.init(0, np.zeros(4, np.float32))).result(5)
     with pytest.raises(ShardTimeoutError, match=r"shard 1 did not answer within 0.3s"):
         loop.run(shard.relay_push(0, 0, 1, 1, np.zeros(4, np.float32))).result(5)
+
+
+def test_a_worker_in_a_round_sees_a_peer_whose_replacement_restarts_the_round(loop):
+    """Rounds of 4 steps, asynchronous (bound 2): rank 0 at step 9 (two rounds in),
+    rank 1 at step 5 (one round): a replacement of rank 1 would start at step 4,
+    before rank 0's step, so a report there would be made again. Counted in steps,
+    not rounds."""
+    _, models, clients = _setup(loop, 2, 1, shared=False, staleness=2, local_steps=4)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    data = _data(2, 9)
+    _run_workers(models, clients, opts, [data[0], data[1][:5]], finish=False)
+    assert (clients[0].loop_step, clients[1].loop_step) == (9, 5)
+    assert clients[0].step_of(1) == 4
+    assert clients[0].peers_behind() and not clients[1].peers_behind()

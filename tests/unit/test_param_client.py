@@ -465,3 +465,20 @@ def test_a_joining_worker_fills_in_a_push_its_predecessor_sent_to_some_shards_on
     replacement.sync()
     assert [s._models[0].clocks[1] for s in servers] == [3, 3]
     assert servers[1]._duplicates == 1
+
+
+def test_a_worker_knows_whether_another_has_yet_to_reach_its_step(loop):
+    """What decides whether a report the barrier reset is made again: rank 0 three
+    steps in, rank 1 one (and its second step on shard 1 only, as a push cut short
+    by a death): rank 1, or its replacement, still has steps 1 and 2 to take."""
+    servers, _, models, clients = _setup(loop, 2, shards=2, staleness=None)
+    steps = {0: 3, 1: 1}
+    for rank, n in steps.items():
+        opt = torch.optim.SGD(models[rank].parameters(), lr=0.1)
+        for _ in range(n):
+            _sgd_step(models[rank], opt, clients[rank], torch.randn(4, 5), torch.randn(4, 3))
+        clients[rank].flush()
+    size = servers[1]._models[0].params.numel()
+    loop.run(servers[1].push_pull(0, 1, 2, np.zeros(size, np.float32))).result(5)
+    assert clients[0].peers_behind()  # the lowest of rank 1's clocks, 1, counts
+    assert not clients[1].peers_behind()
