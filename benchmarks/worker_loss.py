@@ -12,8 +12,10 @@ Per strategy: steps done again (steps a rank ran more than once), seconds during
 which no worker stepped (gaps in the union of both workers' steps longer than five
 median steps), the longest gap of the worker that was not killed, time from the
 kill to the replacement's first step, and test accuracy at the end against the
-same strategy's run without a kill. The timeline (steps against wall time, one line
-per worker process, one panel per strategy) is drawn as a PNG.
+same strategy's run without a kill (means over ``--seeds`` seeds of the model and
+the batches; the other figures are the first seed's run). The timeline (steps
+against wall time, one line per worker process, one panel per strategy) is drawn
+as a PNG.
 
     python benchmarks/worker_loss.py --out benchmarks/results/worker_loss.json \\
         --plot docs/img/worker_loss.png
@@ -54,7 +56,9 @@ STRATEGIES: dict[str, dict[str, Any]] = {
 }
 
 
-def run(name: str, args: argparse.Namespace, kill: bool, storage: str) -> dict[str, Any]:
+def run(
+    name: str, args: argparse.Namespace, kill: bool, storage: str, seed: int = 0
+) -> dict[str, Any]:
     """One ``fit()``: the timelines, the kill's time and the final accuracy."""
     with tempfile.TemporaryDirectory() as out:
         config = {
@@ -62,6 +66,7 @@ def run(name: str, args: argparse.Namespace, kill: bool, storage: str) -> dict[s
             "every": args.every,
             "sleep_s": args.sleep_ms / 1e3,
             "out_dir": out,
+            "seed": seed,
         }
         if kill:
             config.update(kill_rank=1, kill_step=args.kill_step)
@@ -150,6 +155,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kill-step", type=int, default=140)
     p.add_argument("--every", type=int, default=50)
     p.add_argument("--sleep-ms", type=float, default=40.0)
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=3,
+        help="accuracy is the mean over this many seeds (model and batches); the "
+        "timelines are the first seed's",
+    )
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--plot", default=None, help="draw the timelines as a PNG here")
     p.add_argument(
@@ -183,11 +195,14 @@ def main() -> None:
     storage = tempfile.mkdtemp(prefix="worker-loss-")
     summary, killed_runs = {}, {}
     for name in names:
-        killed_runs[name] = run(name, args, kill=True, storage=storage)
-        clean = run(name, args, kill=False, storage=storage)
-        figures = measure(killed_runs[name])
-        figures["accuracy"] = killed_runs[name]["accuracy"]
-        figures["accuracy_uninterrupted"] = clean["accuracy"]
+        killed = [run(name, args, True, storage, seed) for seed in range(args.seeds)]
+        clean = [run(name, args, False, storage, seed)["accuracy"] for seed in range(args.seeds)]
+        killed_runs[name] = killed[0]
+        figures = measure(killed[0])
+        figures["accuracy_by_seed"] = [r["accuracy"] for r in killed]
+        figures["accuracy_uninterrupted_by_seed"] = clean
+        figures["accuracy"] = statistics.mean(figures["accuracy_by_seed"])
+        figures["accuracy_uninterrupted"] = statistics.mean(clean)
         summary[name] = figures
         print(name, {k: round(v, 3) if isinstance(v, float) else v for k, v in figures.items()})
     if args.plot:

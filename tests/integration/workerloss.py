@@ -34,14 +34,16 @@ from tests.integration import digits
 
 def timeline_loop(config: dict[str, Any]) -> None:
     """``steps`` SGD steps of the digits MLP per worker (batch 32, ``sleep_s`` of
-    pretend work after each); checkpoints every ``every`` steps if set; rank 0
+    pretend work after each; ``seed``: the model's and the batches'); checkpoints
+    every ``every`` steps if set; rank 0
     reports the final model. ``wait_for_all_firsts``: a barrier once every worker
     has recorded its first parameters (not for a lone replacement: the others
     would not be at it)."""
     ctx = ray.train.get_context()
     rank = ctx.get_world_rank()
     xtr, ytr, _, _ = digits.load_digits_split()
-    torch.manual_seed(0)
+    seed = config.get("seed", 0)
+    torch.manual_seed(seed)
     model = ray.train.torch.prepare_model(digits.make_model())
     opt = torch.optim.SGD(model.parameters(), lr=config.get("lr", 0.1), momentum=0.9)
     start = _start_step(model, opt)
@@ -55,7 +57,7 @@ def timeline_loop(config: dict[str, Any]) -> None:
         # one's first update could reach the shards before another joins them.
         ray.train.collective.barrier()
     out = Path(config["out_dir"]) / f"timeline_rank{rank}.jsonl"
-    g = torch.Generator().manual_seed(1000 * rank + start)
+    g = torch.Generator().manual_seed(1000 * rank + start + 100_003 * seed)
     with out.open("a") as log:
         for step in range(start, config["steps"]):
             if rank == config.get("kill_rank") and step == config.get("kill_step"):

@@ -33,7 +33,7 @@ def worker_loss_table(result: str) -> str:
         "s with no worker stepping",
         "survivor's longest gap, s (its processes)",
         "kill to replacement's first step, s",
-        "accuracy (points vs no kill)",
+        f"accuracy, mean of {_seeds(d)} seed(s) (points vs no kill)",
     ]
     return _provenance(result, "worker_loss", f"{result}.json") + "\n\n" + _table(header, rows)
 
@@ -48,3 +48,9 @@ def worker_loss_figure(strategy: str, field: str, result: str) -> str:
 def _accuracy(e: dict[str, float]) -> str:
     delta = (e["accuracy"] - e["accuracy_uninterrupted"]) * 100
     return f"{e['accuracy']:.3f} ({delta:+.1f})"
+
+
+def _seeds(d: dict) -> int:
+    """How many seeds each accuracy is the mean of (1 before seeds were recorded)."""
+    first = next(iter(d["summary"].values()))
+    return len(first.get("accuracy_by_seed", [None]))
