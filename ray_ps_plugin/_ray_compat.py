@@ -182,7 +182,10 @@ def redo_reset_reports(redo: Callable[[], bool]) -> None:
     """
     from ray.train.v2._internal.execution.context import get_train_context
 
-    ctx = get_train_context()
+    try:
+        ctx = get_train_context()
+    except RuntimeError:  # not in a Ray Train worker: there are no reports
+        return
     if getattr(ctx, "_ps_redoes_reports", False):
         return
     original = ctx.report
