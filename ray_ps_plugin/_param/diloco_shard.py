@@ -304,8 +304,6 @@ class DilocoShard(ParamShard):
                 self._serve_waiting(model, state)
                 self._pushes += len(ranks)
                 self._bytes_in += total.nbytes
-                async with self._changed:
-                    self._changed.notify_all()
             else:
                 raise ShardProtocolError(
                     f"shard {self.shard_index}: model {model}: a relay pushed round {clock} "

@@ -69,7 +69,7 @@ class ParamShard(TableHost):
         self._codec = Codec(compression)
         self.staleness = staleness
         self._models: dict[int, ParamState] = {}
-        self._changed = asyncio.Condition()
+        self._changed = asyncio.Condition()  # a reseed's generation (wait_generation)
         self._max_read_gap = 0
 
     def _model(self, model: int) -> ParamState:
@@ -244,8 +244,6 @@ class ParamShard(TableHost):
         state = self._model(model)
         state.finished.add(rank)
         self._serve_waiting(model, state)
-        async with self._changed:
-            self._changed.notify_all()
 
     # --- membership: a worker lost, replaced, or a whole group restarted ------------
     async def leave(self, rank: int) -> None:
@@ -328,8 +326,6 @@ class ParamShard(TableHost):
             self._serve_waiting(model, state)
             self._pushes += 1
             self._bytes_in += nbytes
-            async with self._changed:
-                self._changed.notify_all()
         else:
             raise ShardProtocolError(
                 f"shard {self.shard_index}: model {model}: rank {rank} pushed the update "
