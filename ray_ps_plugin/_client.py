@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
+import logging
 import threading
 import time
 import weakref
@@ -31,7 +33,9 @@ from ray_ps_plugin._types import RunSettings
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["ClientBase", "ClientSetup", "ModelHook"]
+__all__ = ["ClientBase", "ClientSetup", "ModelHook", "warn_kept_live"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -233,6 +237,15 @@ class ClientBase(abc.ABC):
         if shard in self.remote_shards:
             self._stats.bytes_cross_node += nbytes
 
+    def _export_metrics(self) -> None:
+        """Exports the counters to Ray's metrics when their interval is due; a
+        failed export is logged, never raised into the training loop."""
+        try:
+            if self._metrics is not None and self._metrics.due():
+                self._metrics.export(self.snapshot())
+        except Exception:
+            logger.debug("metrics export failed", exc_info=True)
+
     def snapshot(self) -> PSStats:
         """A copy of the counters, safe to read from any thread."""
         with self._lock:
@@ -286,3 +299,15 @@ class ModelHook:
 
     def __reduce__(self) -> tuple[type[ModelHook], tuple[None, None]]:
         return (ModelHook, (None, None))
+
+
+@functools.cache
+def warn_kept_live(rank: int) -> None:
+    """Warns once per rank that a load into a worker that joined live shards keeps
+    the shards' parameters (see the clients' ``reseed``)."""
+    logger.warning(
+        "rank %d: load_state_dict() after joining live parameter servers keeps their "
+        "parameters, which hold every update applied since the checkpoint; the loaded "
+        "values are not sent to them. (On a fresh start a load seeds the servers.)",
+        rank,
+    )

@@ -27,14 +27,13 @@ the only one in ``"async"``.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ray_ps_plugin._client import ClientBase, ClientSetup, ModelHook
+from ray_ps_plugin._client import ClientBase, ClientSetup, ModelHook, warn_kept_live
 from ray_ps_plugin._codec import Codec, to_numpy
 from ray_ps_plugin._nonfinite import all_finite
 from ray_ps_plugin._param.flat import FlatParams
@@ -288,10 +287,6 @@ class ParamClient(ClientBase):
             shard, "push_pull", self.model_id, self.rank, self._clock, delta
         )
 
-    def _export_metrics(self) -> None:
-        if self._metrics is not None and self._metrics.due():
-            self._metrics.export(self.snapshot())
-
     # --- consistency points -------------------------------------------------------
     def flush(self) -> None:
         """Waits until this worker's last update is applied on every shard."""
@@ -337,7 +332,7 @@ class ParamClient(ClientBase):
         """
         self.flush()
         if self.setup.joined:
-            _warn_kept_live(self.rank)
+            warn_kept_live(self.rank)
             self._pull(self._clock)
             return
         self._generation += 1
@@ -452,13 +447,3 @@ class ParamClient(ClientBase):
         with self._lock:
             self._stats.staleness_max = max(self._stats.staleness_max, gap)
             self._stats.staleness_mean = self._gaps_sum / self._samples
-
-
-@functools.cache
-def _warn_kept_live(rank: int) -> None:
-    logger.warning(
-        "rank %d: load_state_dict() after joining live parameter servers keeps their "
-        "parameters, which hold every update applied since the checkpoint; the loaded "
-        "values are not sent to them. (On a fresh start a load seeds the servers.)",
-        rank,
-    )

@@ -243,11 +243,7 @@ class SumClient(ClientBase):
                 )
             finally:
                 item.release()
-            try:
-                if self._metrics is not None and self._metrics.due():
-                    self._metrics.export(self.snapshot())
-            except Exception:
-                logger.debug("metrics export failed", exc_info=True)
+            self._export_metrics()
 
     def _where(self, item: _Pending | PendingRows) -> str:
         return f"rank {self.rank}: model {self.model_id}: step {item.step}"

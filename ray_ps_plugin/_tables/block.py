@@ -8,9 +8,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from ray_ps_plugin._shard import resized
 from ray_ps_plugin._shm import Segment
 from ray_ps_plugin._shm import available as shm_available
 from ray_ps_plugin._tables.optim import TableOptimizer
@@ -71,6 +73,41 @@ class TableBlock:
         bound = self.spec.staleness
         if rank in self.free and bound is not None and self.clocks[rank] >= self.slowest() - bound:
             self.free.discard(rank)
+
+    def export(self) -> dict[str, Any]:
+        """The block, its optimizer state and clocks as plain values (copies)."""
+        return {
+            "spec": self.spec,
+            "lo": self.lo,
+            "hi": self.hi,
+            "stride": self.stride,
+            "weight": self.weight.copy(),
+            "shared": self.segment is not None,
+            "optimizer": self.optimizer,
+            "state": {n: v.copy() for n, v in self.state.items()},
+            "steps": self.steps,
+            "clocks": list(self.clocks),
+            "generation": self.generation,
+        }
+
+    @classmethod
+    def restore(cls, e: dict[str, Any], num_workers: int, bounded: bool) -> TableBlock:
+        """The block :meth:`export` gave, for ``num_workers`` workers (in shared
+        memory again where it was; clocks resized as :func:`resized` does)."""
+        rows, dim = e["weight"].shape
+        segment = shared_rows(rows, dim) if e["shared"] else None
+        weight = (
+            e["weight"].copy()
+            if segment is None
+            else segment.view(0, "float32", rows * dim).reshape(rows, dim)
+        )
+        weight[:] = e["weight"]
+        t = cls(e["spec"], e["lo"], e["hi"], num_workers, weight, segment)
+        t.stride, t.optimizer, t.steps = e["stride"], e["optimizer"], e["steps"]
+        t.state = {n: v.copy() for n, v in e["state"].items()}
+        t.clocks = resized(e["clocks"], num_workers, set(), bounded)
+        t.generation, t.applied = e["generation"], max(e["clocks"], default=0)
+        return t
 
 
 def shared_rows(rows: int, dim: int) -> Segment | None:

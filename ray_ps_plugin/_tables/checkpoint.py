@@ -19,6 +19,7 @@ import numpy as np
 
 from ray_ps_plugin._tables.client import ShardedTables
 from ray_ps_plugin._tables.table import Table
+from ray_ps_plugin._tables.transfer import read_rows, write_rows
 
 __all__ = ["load_tables", "save_tables"]
 
@@ -31,7 +32,7 @@ def save_tables(tables: ShardedTables, path: Path) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         meta: dict[str, Any] = {"rows": t.spec.rows, "dim": t.spec.dim, "name": t.name}
         for a, b in t.slices():
-            weight, state, optimizer, steps = tables.read_rows(t, a, b)
+            weight, state, optimizer, steps = read_rows(tables, t, a, b)
             arrays: dict[str, Any] = {"weight": weight, **state}
             np.savez(folder / f"rows{a:012d}.npz", **arrays)
             meta.update(optimizer=optimizer, steps=steps)
@@ -63,20 +64,4 @@ def _load_table(tables: ShardedTables, t: Table, folder: Path) -> None:
         with np.load(file) as data:
             weight = data["weight"]
             state = {k: data[k] for k in data.files if k != "weight"}
-        hi = lo + len(weight)
-        shards = t.holding(lo, hi)
-        calls = [
-            tables.transport.call(
-                s,
-                "table_write",
-                tables.model_id,
-                t.ref.index,
-                lo,
-                weight,
-                state,
-                meta["optimizer"],
-                meta["steps"],
-            )
-            for s in shards
-        ]
-        tables.wait(calls, shards, f"restoring rows of {t.name!r}")
+        write_rows(tables, t, lo, weight, state, meta["optimizer"], meta["steps"])

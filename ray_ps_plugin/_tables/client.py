@@ -61,10 +61,10 @@ from ray_ps_plugin._tables.layers import (
     optimizer_step_spec,
     replica_tables,
 )
-from ray_ps_plugin._tables.optim import TableOptimizer
 from ray_ps_plugin._tables.spec import PushEntry, TableSpec
 from ray_ps_plugin._tables.state import state_from_shards, take_state
 from ray_ps_plugin._tables.table import Table, TableRef, attach_layer, detach
+from ray_ps_plugin._tables.transfer import read_rows, send_copy
 from ray_ps_plugin._torch_compat import version_counter
 from ray_ps_plugin._transport import Handle, Transport, wait_all
 from ray_ps_plugin._types import RunSettings
@@ -231,7 +231,7 @@ class ShardedTables:
 
     def _send_real(self) -> None:
         for t in self.real:
-            self.send_replica(t)
+            send_copy(self, t)
 
     def publish(self, write: Callable[[], None]) -> None:
         """Rank 0 runs ``write`` (rows to the shards), then every rank waits until
@@ -257,57 +257,13 @@ class ShardedTables:
         """A worker's copy of ``t`` takes the shards' rows, slice by slice."""
         self.flush()
         for a, b in t.slices():
-            t.write_rows(np.arange(a, b), self.read_rows(t, a, b)[0])
+            t.write_rows(np.arange(a, b), read_rows(self, t, a, b)[0])
 
     def _reload(self, t: Table) -> None:
         """Rows just loaded into a looked-up table's weight go to the shards (rank
         0's; every rank waits), as the loaded dense parameters do."""
         if version_counter(t.weight) != t.version:
-            self.publish(lambda: self.send_replica(t))
-
-    def send_replica(
-        self,
-        t: Table,
-        state: dict[str, torch.Tensor] | None = None,
-        optimizer: TableOptimizer | None = None,
-        steps: int | None = None,
-    ) -> None:
-        """Rank 0 writes its copy of a replica table to the shards, one slice per
-        call: with ``state``, ``optimizer`` and ``steps`` (what ``load_state_dict``
-        gave the user's optimizer) also the optimizer's, else their optimizer state
-        and step count stay. Every rank then counts its copy as the shards'."""
-        if self.rank == 0:
-            weight = t.weight.detach()
-            for a, b in t.slices():
-                rows = weight[a:b].cpu().numpy()  # every shard keeps its own of them
-                part = {n: v[a:b].detach().cpu().numpy() for n, v in (state or {}).items()}
-                shards = t.holding(a, b)
-                args = (self.model_id, t.ref.index, a, rows, part, optimizer, steps)
-                calls = [self.transport.call(s, "table_write", *args) for s in shards]
-                self.wait(calls, shards, f"sending the rows of {t.name!r}")
-        t.version = version_counter(t.weight)
-
-    def read_rows(
-        self, t: Table, lo: int, hi: int
-    ) -> tuple[np.ndarray, dict[str, np.ndarray], TableOptimizer | None, int]:
-        """Rows ``[lo, hi)`` of ``t`` with their optimizer state, from every shard
-        holding some of them (each answers its rows and the step between them),
-        with the optimizer's name and step count."""
-        weight = np.empty((hi - lo, t.spec.dim), np.float32)
-        state: dict[str, np.ndarray] = {}
-        optimizer, steps = None, 0
-        shards = t.holding(lo, hi)
-        calls = [
-            self.transport.call(s, "table_read", self.model_id, t.ref.index, lo, hi) for s in shards
-        ]
-        for part in self.wait(calls, shards, f"reading rows of {t.name!r}"):
-            n, first = len(part["weight"]), part["lo"] - lo
-            picked = slice(first, first + (n - 1) * part["stride"] + 1, part["stride"])
-            weight[picked] = part["weight"]
-            for name, values in part["state"].items():
-                state.setdefault(name, np.zeros_like(weight))[picked] = values
-            optimizer, steps = part["optimizer"] or optimizer, max(steps, part["steps"])
-        return weight, state, optimizer, steps
+            self.publish(lambda: send_copy(self, t))
 
     def _map_rows(self, t: Table, shard: int, lo: int, hi: int, handle: SegmentHandle) -> None:
         """Maps a shard's rows of ``t`` for reading (by message where that fails)."""
@@ -381,7 +337,7 @@ class ShardedTables:
                 "rank 0 sends it to the shards, whole.",
                 t.name,
             )
-        self.send_replica(t)
+        send_copy(self, t)
 
     def await_bound(self) -> None:
         """ssp: waits until this node's shards hold every table's rows as fresh as

@@ -17,6 +17,7 @@ import torch
 from ray_ps_plugin._tables.layers import optimizer_step_spec
 from ray_ps_plugin._tables.optim import STATE_NAMES, TableOptimizer
 from ray_ps_plugin._tables.table import Table
+from ray_ps_plugin._tables.transfer import read_rows, send_copy
 
 if TYPE_CHECKING:
     from ray_ps_plugin._tables.client import ShardedTables
@@ -46,7 +47,7 @@ def take_state(
             "class that saved it."
         )
     state = {n: entry[n] for n in STATE_NAMES[name]}
-    tables.send_replica(t, state, name, int(entry["step"]))
+    send_copy(tables, t, state, name, int(entry["step"]))
 
 
 def state_from_shards(
@@ -75,7 +76,7 @@ def torch_state(tables: ShardedTables, t: Table) -> dict[str, Any]:
     optimizer: TableOptimizer | None = None
     steps = 0
     for a, b in t.slices():
-        _, part, name, count = tables.read_rows(t, a, b)
+        _, part, name, count = read_rows(tables, t, a, b)
         optimizer, steps = name or optimizer, max(steps, count)
         for n, values in part.items():
             arrays.setdefault(n, np.zeros((t.spec.rows, t.spec.dim), np.float32))[a:b] = values

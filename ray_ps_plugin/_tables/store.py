@@ -40,7 +40,6 @@ import numpy as np
 
 from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
 from ray_ps_plugin._rows import row_bounds, sum_rows
-from ray_ps_plugin._shard import resized
 from ray_ps_plugin._shm import SegmentHandle
 from ray_ps_plugin._tables.block import TableBlock, shared_rows
 from ray_ps_plugin._tables.optim import TableOptimizer, apply_step, new_state
@@ -333,41 +332,12 @@ class TableStore:
 
     def export(self) -> list[dict[str, Any]]:
         """Every table's block, state and clocks, for a later group's shards."""
-        return [
-            {
-                "key": key,
-                "spec": t.spec,
-                "lo": t.lo,
-                "hi": t.hi,
-                "stride": t.stride,
-                "weight": t.weight.copy(),
-                "shared": t.segment is not None,
-                "optimizer": t.optimizer,
-                "state": {n: v.copy() for n, v in t.state.items()},
-                "steps": t.steps,
-                "clocks": list(t.clocks),
-                "generation": t.generation,
-            }
-            for key, t in self._tables.items()
-        ]
+        return [{"key": key, **t.export()} for key, t in self._tables.items()]
 
     def import_(self, exported: list[dict[str, Any]], bounded: bool) -> None:
         """Takes the blocks :meth:`export` gave, for this group's workers."""
         for e in exported:
-            rows, dim = e["weight"].shape
-            segment = shared_rows(rows, dim) if e["shared"] else None
-            weight = (
-                e["weight"].copy()
-                if segment is None
-                else segment.view(0, "float32", rows * dim).reshape(rows, dim)
-            )
-            weight[:] = e["weight"]
-            t = TableBlock(e["spec"], e["lo"], e["hi"], self.num_workers, weight, segment)
-            t.stride, t.optimizer, t.steps = e["stride"], e["optimizer"], e["steps"]
-            t.state = {n: v.copy() for n, v in e["state"].items()}
-            t.clocks = resized(e["clocks"], self.num_workers, set(), bounded)
-            t.generation, t.applied = e["generation"], max(e["clocks"], default=0)
-            self._tables[tuple(e["key"])] = t
+            self._tables[tuple(e["key"])] = TableBlock.restore(e, self.num_workers, bounded)
 
     async def _wait(self, t: TableBlock, ready: Any, what: str) -> None:
         async def until() -> None:

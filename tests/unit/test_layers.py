@@ -151,3 +151,30 @@ def test_the_graph_sees_the_packages_imports():
     # A parser that found nothing would pass every test above.
     assert "_sync.plan" in GRAPH["_sync.buckets"][0]
     assert "_modes" in GRAPH["_ddp"][0]
+
+
+#: A module a reader takes in at one sitting, a function on one screen.
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 450, 60
+
+
+def _function_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """Lines of a function's body, its docstring left out."""
+    body = node.body
+    first = body[0]
+    is_doc = isinstance(first, ast.Expr) and isinstance(getattr(first, "value", None), ast.Constant)
+    start = body[1].lineno if is_doc and len(body) > 1 else first.lineno
+    assert node.end_lineno is not None
+    return node.end_lineno - start + 1
+
+
+def test_no_module_or_function_outgrows_one_sitting():
+    too_long = []
+    for name, path in _modules().items():
+        source = path.read_text()
+        if (n := len(source.splitlines())) > MAX_MODULE_LINES:
+            too_long.append(f"{name}: {n} lines")
+        for node in ast.walk(ast.parse(source)):
+            functions = ast.FunctionDef | ast.AsyncFunctionDef
+            if isinstance(node, functions) and (n := _function_lines(node)) > MAX_FUNCTION_LINES:
+                too_long.append(f"{name}.{node.name}: a body of {n} lines")
+    assert not too_long, too_long

@@ -37,6 +37,7 @@ from ray_ps_plugin._tables.layers import (
 )
 from ray_ps_plugin._tables.spec import TableSpec, init_rows
 from ray_ps_plugin._tables.store import TableStore
+from ray_ps_plugin._tables.transfer import read_rows
 from ray_ps_plugin._wire.frames import TABLE_PULL, TABLE_PUSH
 from tests.unit.fakes import FakeDirect, FakeTransport, Settings, _copy
 
@@ -1038,7 +1039,7 @@ def _replica_worker(loop, servers, rank, world, direct=False):
 
 
 def _rows_on_shards(tables, index):
-    return tables.read_rows(tables.tables[index], 0, 20)[0]
+    return read_rows(tables, tables.tables[index], 0, 20)[0]
 
 
 def _with_reference(workers, make_optimizer):
