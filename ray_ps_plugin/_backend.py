@@ -10,18 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Protocol
+from typing import Any
 
 import ray
 from ray.train.backend import BackendConfig
 from ray.train.torch import TorchConfig
-from ray.util.scheduling_strategies import (
-    NodeAffinitySchedulingStrategy,
-    PlacementGroupSchedulingStrategy,
-)
 
 from ray_ps_plugin import _runtime
 from ray_ps_plugin._modes import spec_of
+from ray_ps_plugin._placement import BackendSettings, place_shards, unplaced_shards_message
 from ray_ps_plugin._ray_compat import (
     TorchBackend,
     ended_cleanly,
@@ -31,66 +28,10 @@ from ray_ps_plugin._ray_compat import (
     worker_placement_group,
     worker_places,
 )
-from ray_ps_plugin._types import RunSettings, ServerPlacement
 
-__all__ = ["BackendSettings", "PSBackend", "PSKeepingBackend", "shard_placements"]
+__all__ = ["PSBackend", "PSKeepingBackend"]
 
 logger = logging.getLogger(__name__)
-
-
-class BackendSettings(RunSettings, Protocol):
-    """What the backend reads of ``PSConfig`` besides what the workers read."""
-
-    num_servers: int | None
-    server_placement: ServerPlacement
-
-
-def _per_node(worker_group: Any, cfg: BackendSettings) -> bool:
-    """Whether the run gets one shard per node (see ``PSConfig.server_placement``)."""
-    if cfg.server_placement != "auto":
-        return cfg.server_placement == "node"
-    if cfg.num_servers is not None or not spec_of(cfg).relays_chunks:
-        return False
-    if cfg.data_path != "tcp" or not cfg.node_aggregation:
-        return False  # without relays, per-node shards would only concentrate the work
-    nodes = [p.node_id for p in worker_places(worker_group)]
-    return len(set(nodes)) > 1 and len(set(nodes)) < len(nodes)
-
-
-def shard_placements(worker_group: Any, num_servers: int | None, per_node: bool) -> list[Any]:
-    """One scheduling strategy per shard: shard i goes where worker i % W lives.
-
-    With ``per_node`` there is one shard per node, with the node's lowest-rank worker.
-    ``num_servers=None`` means one per worker.
-
-    The shard is put *inside* its worker's placement-group bundle with ``num_cpus=0``
-    so it is reserved and released together with the workers and never competes with
-    other trials for CPUs. Without an explicit strategy an actor created by the
-    controller inside a Tune trial would be captured into the trial's group.
-    """
-    places = worker_places(worker_group)
-    if per_node:
-        first: dict[str, Any] = {}
-        for p in places:
-            first.setdefault(p.node_id, p)
-        places = list(first.values())
-        num_servers = len(places)
-    num_servers = num_servers or len(places)
-    pg = worker_placement_group(worker_group)
-    strategies: list[Any] = []
-    for i in range(num_servers):
-        place = places[i % len(places)]
-        if pg is not None and place.bundle_index is not None:
-            strategies.append(
-                PlacementGroupSchedulingStrategy(
-                    placement_group=pg,
-                    placement_group_bundle_index=place.bundle_index,
-                    placement_group_capture_child_tasks=False,
-                )
-            )
-        else:
-            strategies.append(NodeAffinitySchedulingStrategy(place.node_id, soft=False))
-    return strategies
 
 
 class PSBackend(TorchBackend):
@@ -144,28 +85,26 @@ class PSBackend(TorchBackend):
         exported, self._exported = self._exported, None
         # A restart keeps the shards' count (and so each shard's slice): the
         # workers' number may have changed (an elastic resize).
-        placements = shard_placements(
-            worker_group,
-            len(exported) if exported else cfg.num_servers,
-            per_node=False if exported else _per_node(worker_group, cfg),
-        )
+        placements = place_shards(worker_group, cfg, len(exported) if exported else None)
         spec = spec_of(cfg)
         actor_cls: Any = ray.remote(self.shard_class(cfg))
         args = spec.shard_args(cfg)
-        for i, strategy in enumerate(placements):
+        for i, placement in enumerate(placements):
             self._servers.append(
                 actor_cls.options(
-                    num_cpus=0,
-                    scheduling_strategy=strategy,
+                    **placement.options(),
                     max_restarts=0,
                     max_concurrency=spec.max_concurrency,
                 ).remote(i, num_workers, *args)
             )
-        ready = _bounded(
-            [s.ready.remote() for s in self._servers],
-            cfg.ps_start_timeout_s,
-            f"{len(placements)} parameter-server shard(s) did not start",
-        )
+        try:
+            ready = _bounded(
+                [s.ready.remote() for s in self._servers],
+                cfg.ps_start_timeout_s,
+                f"{len(placements)} parameter-server shard(s) did not start",
+            )
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}{unplaced_shards_message(cfg.server_resources)}") from e
         if exported:
             calls = [s.import_state.remote(e) for s, e in zip(self._servers, exported)]
             _bounded(calls, cfg.ps_timeout_s, "the shards did not take the kept state")

@@ -101,6 +101,18 @@ class PSConfig(TorchConfig):
             per worker, in its bundle (or ``num_servers`` shards round-robin over the
             workers). ``"node"``: one shard per node, in the bundle of that node's
             lowest-rank worker. ``num_servers`` set means ``"worker"`` placement.
+        server_resources: Ray resources each shard asks for, e.g.
+            ``{"ps_server": 1}``: the shards then run only on nodes that carry them
+            (``ray start --resources='{"ps_server": 4}'``, or a KubeRay worker group
+            with that custom resource), spread over those nodes and outside the
+            workers' placement group, so a worker node's loss costs no shard (see
+            docs/deployment.md). ``num_servers`` of them (``None``: one per worker).
+            A ``"CPU"`` entry is each shard's CPUs (0 otherwise). Workers reach them
+            over the network: sync chunks on the direct TCP path, other calls by
+            Ray call; no node relays. If no node can take them, start-up fails
+            after ``ps_start_timeout_s`` with a message naming the resource.
+            ``None`` (the default): shards live in the workers' bundles, as
+            ``server_placement`` says.
         data_path: ``"tcp"`` (each shard listens on a TCP port of its node's
             address, opened when the run starts; the fast path) or
             ``"object_store"`` (everything as Ray actor-call arguments and results;
@@ -188,6 +200,7 @@ class PSConfig(TorchConfig):
     nan_policy: NanPolicy = "raise"
     compression: Compression | None = None
     server_placement: ServerPlacement = "auto"
+    server_resources: dict[str, float] | None = None
     shared_memory: bool = True
     data_path: DataPath = "tcp"
     node_aggregation: bool = True
@@ -231,10 +244,38 @@ class PSConfig(TorchConfig):
                 "between rounds. Use sparse_optimizer=None or 'workers' there, or "
                 "mode='sync', 'async' or 'ssp'."
             )
+        if self.server_resources is not None:
+            self._check_server_resources()
         if self.server_placement == "node" and self.num_servers is not None:
             raise ValueError(
                 f"PSConfig.server_placement='node' starts one shard per node and cannot "
                 f"be combined with num_servers={self.num_servers}; drop one of them."
+            )
+
+    def _check_server_resources(self) -> None:
+        resources = self.server_resources
+        if not isinstance(resources, dict) or not resources:
+            raise TypeError(
+                "PSConfig.server_resources must be a non-empty dict of Ray resource "
+                f'names to amounts, e.g. {{"ps_server": 1}}; got {resources!r}.'
+            )
+        for name, amount in resources.items():
+            if not isinstance(name, str) or not name:
+                raise TypeError(
+                    f"PSConfig.server_resources: resource names are strings, got {name!r}."
+                )
+            _check_positive(f"server_resources[{name!r}]", amount)
+        if "GPU" in resources:
+            raise ValueError(
+                "PSConfig.server_resources asks each shard for GPUs: shards sum and "
+                "update on CPUs. Name a custom resource of the server nodes instead, "
+                'e.g. {"ps_server": 1}.'
+            )
+        if self.server_placement != "auto":
+            raise ValueError(
+                f"PSConfig.server_placement={self.server_placement!r} places shards in "
+                "the workers' bundles and cannot be combined with server_resources, "
+                "which places them on the nodes carrying those resources; drop one."
             )
 
     def _check_diloco(self) -> None:

@@ -29,6 +29,11 @@ cloudpickle.register_pickle_by_value(dlrm)
 cloudpickle.register_pickle_by_value(workerloss)
 
 
+#: A custom resource of the head node only (the "server node"), and one of the
+#: other node only (the "worker node").
+SERVER_RESOURCE, WORKER_RESOURCE = "ps_server", "trainer"
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """Two simulated nodes (two raylets, two object stores) on this machine.
@@ -38,6 +43,8 @@ def ray_cluster():
     on one node; test_multinode spreads workers over both. On a GPU machine the
     two nodes report the same GPUs (named explicitly: Ray's own detection is not
     relied on), so test_gpu can place one worker per node even with one device.
+    Custom resources make one node a server node and the other a worker node, for
+    runs that ask for them (shards on nodes of their own).
     """
     import torch
 
@@ -49,9 +56,15 @@ def ray_cluster():
             "num_gpus": gpus,
             "include_dashboard": False,
             "object_store_memory": 300 * 1024 * 1024,
+            "resources": {SERVER_RESOURCE: 4},
         },
     )
-    cluster.add_node(num_cpus=2, num_gpus=gpus, object_store_memory=300 * 1024 * 1024)
+    cluster.add_node(
+        num_cpus=2,
+        num_gpus=gpus,
+        object_store_memory=300 * 1024 * 1024,
+        resources={WORKER_RESOURCE: 4},
+    )
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     yield cluster

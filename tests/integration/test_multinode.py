@@ -2,16 +2,19 @@
 counted, and sync PS still equal to DDP when the workers sit on different nodes —
 on the direct TCP path, through the object store, and with two workers per node
 summing on their node's relay first (a sparse table's rows too); DiLoCo's rounds
-through the same node's shard."""
+through the same node's shard. Shards on a node of their own (a custom resource
+of the head node only, see conftest) while the workers sit on the other one."""
 
 import math
+import time
 
 import pytest
 import ray
-from ray.train import FailureConfig, RunConfig, ScalingConfig
+from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
 
 from ray_ps_plugin import PSConfig, PSTrainer
 from tests.integration import loops
+from tests.integration.conftest import SERVER_RESOURCE, WORKER_RESOURCE
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -50,6 +53,15 @@ def runs(ray_cluster, tmp_path_factory, equivalence_ddp):
         "per_node": _fit(storage, "per_node", steps=4, scaling=four, sparse=True, chunk_bytes=4096),
         # DiLoCo, a round every 2 steps: each node's shard relays its workers' rounds.
         "diloco": _fit(storage, "diloco", steps=4, scaling=four, mode="diloco", local_steps=2),
+        # Both workers on the worker node, both shards on the server node.
+        "servers": _fit(
+            storage,
+            "servers",
+            scaling=ScalingConfig(
+                num_workers=2, resources_per_worker={"CPU": 0.5, WORKER_RESOURCE: 1}
+            ),
+            server_resources={SERVER_RESOURCE: 1},
+        ),
     }
 
 
@@ -98,6 +110,40 @@ def test_diloco_rounds_cross_nodes_through_the_nodes_relay(runs):
     assert m["ps_per_shard"][1 - home] > 0  # the other node's slice went to the relay
     assert m["ps_cross_node"] == 0
     assert math.isfinite(m["loss"])
+
+
+def test_with_server_resources_every_shard_runs_on_the_node_carrying_them(runs):
+    m = runs["servers"].metrics
+    server_node = _node_with(SERVER_RESOURCE)
+    assert m["ps_num_servers"] == 2 and m["ps_server_nodes"] == [server_node] * 2
+    assert m["worker_node"] == _node_with(WORKER_RESOURCE)  # no worker's node holds one
+    assert m["ps_shared_memory_shards"] == []
+    assert m["ps_cross_node"] > 0  # every byte went to the other node
+    ddp, ps = loops.load_state(runs["ddp"]), loops.load_state(runs["servers"])
+    assert max((ddp[k].double() - ps[k].double()).abs().max().item() for k in ddp) <= 1e-5
+
+
+def test_server_resources_no_node_carries_fail_the_start_in_bounded_time_naming_them(
+    tmp_path,
+):
+    started = time.monotonic()
+    with pytest.raises(TrainingFailedError, match="ps_nowhere") as info:
+        _fit(
+            str(tmp_path),
+            "nowhere",
+            scaling=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
+            server_resources={"ps_nowhere": 1},
+            ps_start_timeout_s=3,
+        )
+    assert "No live node carries the resource(s) ['ps_nowhere']" in str(info.value)
+    assert time.monotonic() - started < 60
+    assert loops.wait_until(lambda: loops.live_shards() == 0)
+    assert loops.wait_until(lambda: loops.live_placement_groups() == 0)
+
+
+def _node_with(resource: str) -> str:
+    (node,) = [n["NodeID"] for n in ray.nodes() if n["Alive"] and resource in n["Resources"]]
+    return node
 
 
 def test_cross_node_bytes_are_counted(runs):

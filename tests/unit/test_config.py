@@ -103,7 +103,7 @@ def test_compression_and_server_placement_are_validated():
 def test_auto_placement_is_one_shard_per_node_only_where_nodes_relay():
     from types import SimpleNamespace
 
-    from ray_ps_plugin._backend import _per_node
+    from ray_ps_plugin._placement import _per_node
 
     def group(*nodes):
         workers = [SimpleNamespace(metadata=SimpleNamespace(node_id=n)) for n in nodes]
@@ -122,3 +122,56 @@ def test_auto_placement_is_one_shard_per_node_only_where_nodes_relay():
     ):
         assert not _per_node(two_by_two, cfg), cfg
     assert _per_node(one_node, PSConfig(server_placement="node"))
+
+
+def test_server_resources_are_checked_early_naming_the_field():
+    assert PSConfig(server_resources={"ps_server": 1, "CPU": 0.5}).server_resources
+    with pytest.raises(TypeError, match="non-empty dict"):
+        PSConfig(server_resources={})
+    with pytest.raises(TypeError, match="non-empty dict"):
+        PSConfig(server_resources=["ps_server"])
+    with pytest.raises(ValueError, match=r"server_resources\['ps_server'\] must be a finite"):
+        PSConfig(server_resources={"ps_server": 0})
+    with pytest.raises(TypeError, match="resource names are strings"):
+        PSConfig(server_resources={1: 1})
+    with pytest.raises(ValueError, match="GPUs"):
+        PSConfig(server_resources={"GPU": 1})
+    with pytest.raises(ValueError, match="cannot be combined with server_resources"):
+        PSConfig(server_resources={"ps_server": 1}, server_placement="node")
+
+
+def test_shards_with_server_resources_ask_for_them_and_spread(monkeypatch):
+    from types import SimpleNamespace
+
+    from ray_ps_plugin import _placement
+
+    workers = [SimpleNamespace(metadata=SimpleNamespace(node_id=n)) for n in "aab"]
+    group = SimpleNamespace(get_workers=lambda: workers)
+    cfg = PSConfig(server_resources={"ps_server": 1, "CPU": 0.25})
+    placements = _placement.place_shards(group, cfg)
+    assert len(placements) == 3  # one per worker unless num_servers says
+    assert placements[0].options() == {
+        "scheduling_strategy": "SPREAD",
+        "num_cpus": 0.25,
+        "resources": {"ps_server": 1.0},
+    }
+    assert (
+        len(_placement.place_shards(group, PSConfig(server_resources={"x": 1}, num_servers=5))) == 5
+    )
+    # A restart keeps the shards' count.
+    assert len(_placement.place_shards(group, cfg, num_servers=2)) == 2
+
+
+def test_shards_that_found_no_node_say_which_resource_is_missing(monkeypatch):
+    from ray_ps_plugin import _placement
+
+    nodes = [{"NodeID": "a" * 40, "Alive": True, "Resources": {"CPU": 2.0}}]
+    monkeypatch.setattr(_placement.ray, "nodes", lambda: nodes)
+    message = _placement.unplaced_shards_message({"ps_server": 1})
+    assert "No live node carries the resource(s) ['ps_server']" in message
+    assert "ray start --resources" in message
+    nodes.append({"NodeID": "b" * 40, "Alive": True, "Resources": {"ps_server": 1.0}})
+    assert "Nodes ['bbbbbbbbbbbb'] carry ['ps_server']" in _placement.unplaced_shards_message(
+        {"ps_server": 1}
+    )
+    assert _placement.unplaced_shards_message(None) == ""

@@ -22,6 +22,7 @@ LAYER_OF = {
     "tune": PUBLIC,
     "_ddp": DDP,
     "_backend": DDP,
+    "_placement": DDP,
     "_modes": RUN,
     "_runtime": RUN,
     "_sync": MODES,

@@ -1,0 +1,154 @@
+"""Where the shards run: in the workers' bundles, or on nodes of their own.
+
+By default shard ``i`` lives in the placement-group bundle of worker ``i % W`` (or
+one shard per node, with the node's lowest-rank worker), with no CPU of its own: it
+is reserved and released with the workers and never competes with another trial.
+With ``PSConfig.server_resources`` each shard asks for those Ray resources instead
+and Ray spreads the shards over the nodes that carry them (CPU nodes beside GPU
+workers, as BytePS runs its summation servers): a worker node's loss then costs no
+shard. Either way the placement is explicit: an actor the controller starts with no
+strategy inside a Tune trial would be captured into the trial's group.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import ray
+from ray.util.scheduling_strategies import (
+    NodeAffinitySchedulingStrategy,
+    PlacementGroupSchedulingStrategy,
+)
+
+from ray_ps_plugin._modes import spec_of
+from ray_ps_plugin._ray_compat import worker_placement_group, worker_places
+from ray_ps_plugin._types import RunSettings, ServerPlacement
+
+__all__ = [
+    "BackendSettings",
+    "ShardPlacement",
+    "place_shards",
+    "unplaced_shards_message",
+]
+
+
+class BackendSettings(RunSettings, Protocol):
+    """What the backend reads of ``PSConfig`` besides what the workers read."""
+
+    num_servers: int | None
+    server_placement: ServerPlacement
+    server_resources: dict[str, float] | None
+
+
+@dataclass(frozen=True)
+class ShardPlacement:
+    """Where one shard actor goes and what it reserves there.
+
+    Attributes:
+        strategy: Its Ray scheduling strategy.
+        num_cpus: CPUs it reserves (0 inside a worker's bundle).
+        resources: Custom resources it reserves.
+    """
+
+    strategy: Any
+    num_cpus: float = 0
+    resources: dict[str, float] = field(default_factory=dict)
+
+    def options(self) -> dict[str, Any]:
+        """The placement's part of the actor's ``.options()``."""
+        return {
+            "scheduling_strategy": self.strategy,
+            "num_cpus": self.num_cpus,
+            "resources": dict(self.resources),
+        }
+
+
+def place_shards(
+    worker_group: Any, cfg: BackendSettings, num_servers: int | None = None
+) -> list[ShardPlacement]:
+    """One placement per shard for this run (``num_servers``, where given, is the
+    count a restart keeps; otherwise ``cfg`` decides)."""
+    if cfg.server_resources:
+        count = num_servers or cfg.num_servers or len(worker_places(worker_group))
+        return _on_server_nodes(cfg.server_resources, count)
+    per_node = num_servers is None and _per_node(worker_group, cfg)
+    return _in_worker_bundles(worker_group, num_servers or cfg.num_servers, per_node)
+
+
+def _per_node(worker_group: Any, cfg: BackendSettings) -> bool:
+    """Whether the run gets one shard per node (see ``PSConfig.server_placement``)."""
+    if cfg.server_placement != "auto":
+        return cfg.server_placement == "node"
+    if cfg.num_servers is not None or not spec_of(cfg).relays_chunks:
+        return False
+    if cfg.data_path != "tcp" or not cfg.node_aggregation:
+        return False  # without relays, per-node shards would only concentrate the work
+    nodes = [p.node_id for p in worker_places(worker_group)]
+    return len(set(nodes)) > 1 and len(set(nodes)) < len(nodes)
+
+
+def _in_worker_bundles(
+    worker_group: Any, num_servers: int | None, per_node: bool
+) -> list[ShardPlacement]:
+    """Shard ``i`` where worker ``i % W`` lives (with ``per_node`` one shard per
+    node, with the node's lowest-rank worker; ``num_servers=None``: one per worker),
+    inside that worker's bundle."""
+    places = worker_places(worker_group)
+    if per_node:
+        first: dict[str, Any] = {}
+        for p in places:
+            first.setdefault(p.node_id, p)
+        places = list(first.values())
+        num_servers = len(places)
+    num_servers = num_servers or len(places)
+    pg = worker_placement_group(worker_group)
+    placements: list[ShardPlacement] = []
+    for i in range(num_servers):
+        place = places[i % len(places)]
+        if pg is not None and place.bundle_index is not None:
+            strategy: Any = PlacementGroupSchedulingStrategy(
+                placement_group=pg,
+                placement_group_bundle_index=place.bundle_index,
+                placement_group_capture_child_tasks=False,
+            )
+        else:
+            strategy = NodeAffinitySchedulingStrategy(place.node_id, soft=False)
+        placements.append(ShardPlacement(strategy))
+    return placements
+
+
+def _on_server_nodes(resources: Mapping[str, float], count: int) -> list[ShardPlacement]:
+    """``count`` shards asking for ``resources``, spread over the nodes carrying them
+    (Ray's SPREAD strategy; an autoscaler may add such nodes while they wait)."""
+    custom = {k: float(v) for k, v in resources.items() if k != "CPU"}
+    cpus = float(resources.get("CPU", 0))
+    return [ShardPlacement("SPREAD", cpus, custom) for _ in range(count)]
+
+
+def unplaced_shards_message(resources: Mapping[str, float] | None) -> str:
+    """Why shards may not have started, in words: for shards on nodes of their own,
+    which nodes carry the resources they ask for."""
+    if not resources:
+        return ""
+    wanted = json.dumps(dict(resources))
+    custom = [k for k in resources if k != "CPU"]
+    carrying = [
+        n["NodeID"][:12]
+        for n in ray.nodes()
+        if n.get("Alive") and all(n.get("Resources", {}).get(k, 0) > 0 for k in custom)
+    ]
+    if not carrying:
+        return (
+            f" No live node carries the resource(s) {custom} that "
+            f"PSConfig.server_resources={wanted} asks for: start server nodes with "
+            f"`ray start --resources='{json.dumps(dict.fromkeys(custom, 4))}'` (or give a "
+            "KubeRay worker group these custom resources), or drop server_resources."
+        )
+    return (
+        f" Nodes {carrying} carry {custom}, but not enough of "
+        f"server_resources={wanted} per shard is free there (other runs' shards may "
+        "hold it): give those nodes more units, or ask each shard for less."
+    )
