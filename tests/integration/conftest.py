@@ -11,6 +11,10 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # process group at shutdown, all of it when a worker hangs or is cut off; a healthy
 # worker takes milliseconds. (The raylets this session starts inherit these.)
 os.environ.setdefault("TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S", "5")
+# An elastic restart may first ask for more workers than the cluster still holds
+# (Ray's autoscaling coordinator refreshes its view of the nodes every 20 s); the
+# start then waits this long (60 s by default) before Ray Train asks for fewer.
+os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "30")
 
 import pytest
 import ray
