@@ -18,7 +18,7 @@ from ray_ps_plugin._shm import available as shm_available
 from ray_ps_plugin._tables.optim import TableOptimizer
 from ray_ps_plugin._tables.spec import TableSpec
 
-__all__ = ["TableBlock", "shared_rows"]
+__all__ = ["TableBlock", "zeroed_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,12 +95,7 @@ class TableBlock:
         """The block :meth:`export` gave, for ``num_workers`` workers (in shared
         memory again where it was; clocks resized as :func:`resized` does)."""
         rows, dim = e["weight"].shape
-        segment = shared_rows(rows, dim) if e["shared"] else None
-        weight = (
-            e["weight"].copy()
-            if segment is None
-            else segment.view(0, "float32", rows * dim).reshape(rows, dim)
-        )
+        weight, segment = zeroed_rows(rows, dim, e["shared"])
         weight[:] = e["weight"]
         t = cls(e["spec"], e["lo"], e["hi"], num_workers, weight, segment)
         t.stride, t.optimizer, t.steps = e["stride"], e["optimizer"], e["steps"]
@@ -110,7 +105,17 @@ class TableBlock:
         return t
 
 
-def shared_rows(rows: int, dim: int) -> Segment | None:
+def zeroed_rows(rows: int, dim: int, shared: bool) -> tuple[np.ndarray, Segment | None]:
+    """``rows`` zeroed fp32 rows and the segment they lie in: shared memory where
+    ``shared`` asks for it and the host has it (a new segment is zeroed), else
+    private memory and ``None``."""
+    segment = _segment(rows, dim) if shared else None
+    if segment is None:
+        return np.zeros((rows, dim), np.float32), None
+    return segment.view(0, "float32", rows * dim).reshape(rows, dim), segment
+
+
+def _segment(rows: int, dim: int) -> Segment | None:
     """A segment for ``rows`` fp32 rows, or ``None`` where the host has none."""
     if not shm_available():
         return None

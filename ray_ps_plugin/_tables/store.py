@@ -41,7 +41,7 @@ import numpy as np
 from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
 from ray_ps_plugin._rows import row_bounds, sum_rows
 from ray_ps_plugin._shm import SegmentHandle
-from ray_ps_plugin._tables.block import TableBlock, shared_rows
+from ray_ps_plugin._tables.block import TableBlock, zeroed_rows
 from ray_ps_plugin._tables.optim import TableOptimizer, apply_step, new_state
 from ray_ps_plugin._tables.spec import PushAnswer, PushEntry, TableSpec, init_rows
 
@@ -97,11 +97,7 @@ class TableStore:
             return lo, hi
         bounds = row_bounds(spec.rows, num_shards)
         lo, hi = bounds[self.shard_index], bounds[self.shard_index + 1]
-        segment = shared_rows(hi - lo, spec.dim) if shared else None
-        if segment is None:
-            weight = np.zeros((hi - lo, spec.dim), np.float32)
-        else:  # a new segment is zeroed
-            weight = segment.view(0, "float32", (hi - lo) * spec.dim).reshape(hi - lo, spec.dim)
+        weight, segment = zeroed_rows(hi - lo, spec.dim, shared)
         if spec.seeded:
             init_rows(spec, table, lo, hi, out=weight)
         t = TableBlock(spec, lo, hi, self.num_workers, weight, segment)
