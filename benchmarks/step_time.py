@@ -74,7 +74,19 @@ VARIANTS = {
     "ps_sync_bf16": (PSConfig(strategy="ps", mode="sync", compression="bf16"), True),
     "ps_async": (PSConfig(strategy="ps", mode="async"), True),
     "ps_async_bf16": (PSConfig(strategy="ps", mode="async", compression="bf16"), True),
+    # Every shard's state held twice (a replica per shard, in the other worker's
+    # bundle): what replication costs a step, against the same mode without it.
+    "ps_async_replicated": (PSConfig(strategy="ps", mode="async", shard_replicas=1), True),
+    "ps_ssp": (PSConfig(strategy="ps", mode="ssp", staleness=2), True),
+    "ps_ssp_replicated": (
+        PSConfig(strategy="ps", mode="ssp", staleness=2, shard_replicas=1),
+        True,
+    ),
 }
+
+#: The default run's variants (``--variants``): the replication pairs run on their
+#: own, into ``replication_step_time.json``.
+DEFAULT_VARIANTS = [v for v in VARIANTS if v != "ps_ssp" and not v.endswith("_replicated")]
 
 
 def run_variant(name: str, args: argparse.Namespace, storage: str) -> dict[str, Any]:
@@ -109,7 +121,7 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--quick", action="store_true", help="1 round, 10 steps, width 512")
     p.add_argument(
         "--variants",
-        default=",".join(VARIANTS),
+        default=",".join(DEFAULT_VARIANTS),
         help="comma-separated subset to run (compute, ddp and ps_sync are always run)",
     )
     p.add_argument("--out", default="benchmarks/results/step_time.json")

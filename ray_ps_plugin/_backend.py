@@ -17,8 +17,14 @@ from ray.train.backend import BackendConfig
 from ray.train.torch import TorchConfig
 
 from ray_ps_plugin import _runtime
+from ray_ps_plugin._failover import Failover
 from ray_ps_plugin._modes import spec_of
-from ray_ps_plugin._placement import BackendSettings, place_shards, unplaced_shards_message
+from ray_ps_plugin._placement import (
+    BackendSettings,
+    place_replicas,
+    place_shards,
+    unplaced_shards_message,
+)
 from ray_ps_plugin._ray_compat import (
     TorchBackend,
     ended_cleanly,
@@ -47,6 +53,9 @@ class PSBackend(TorchBackend):
     def __init__(self) -> None:
         super().__init__()
         self._servers: list[Any] = []
+        self._replicas: list[Any] = []  # PSConfig.shard_replicas: each shard's replica
+        # Made with the shards: the backend is pickled to the controller first.
+        self._failover: Failover | None = None
         self._info: _runtime.RunInfo | None = None
         # After a stop that is not the run's end: each shard's exported state (object
         # refs owned by this controller), for the next group's shards.
@@ -87,28 +96,24 @@ class PSBackend(TorchBackend):
         # workers' number may have changed (an elastic resize).
         placements = place_shards(worker_group, cfg, len(exported) if exported else None)
         spec = spec_of(cfg)
-        actor_cls: Any = ray.remote(self.shard_class(cfg))
-        args = spec.shard_args(cfg)
-        for i, placement in enumerate(placements):
-            self._servers.append(
-                actor_cls.options(
-                    **placement.options(),
-                    max_restarts=0,
-                    max_concurrency=spec.max_concurrency,
-                ).remote(i, num_workers, *args)
-            )
-        try:
-            ready = _bounded(
-                [s.ready.remote() for s in self._servers],
-                cfg.ps_start_timeout_s,
-                f"{len(placements)} parameter-server shard(s) did not start",
-            )
-        except TimeoutError as e:
-            raise TimeoutError(f"{e}{unplaced_shards_message(cfg.server_resources)}") from e
-        if exported:
-            calls = [s.import_state.remote(e) for s, e in zip(self._servers, exported)]
+        self._servers.extend(self._start_shards(placements, num_workers, cfg))
+        server_nodes = self._ready(self._servers, cfg)
+        replica_nodes: list[str] = []
+        if cfg.shard_replicas:
+            where = place_replicas(worker_group, cfg, server_nodes)
+            self._replicas = self._start_shards(where, num_workers, cfg)
+            replica_nodes = self._ready(self._replicas, cfg)
+        self._failover = Failover(self._servers, self._replicas, cfg.ps_timeout_s)
+        if exported:  # a replica takes the same state as its primary
+            calls = [
+                shard.import_state.remote(e)
+                for shards in (self._servers, self._replicas)
+                for shard, e in zip(shards, exported)
+            ]
             _bounded(calls, cfg.ps_timeout_s, "the shards did not take the kept state")
-        server_nodes = [r["node_id"] for r in ready]
+        if self._replicas:
+            calls = [s.set_replica.remote(r) for s, r in zip(self._servers, self._replicas)]
+            _bounded(calls, cfg.ps_timeout_s, "the shards did not take their replicas")
         worker_nodes = [p.node_id for p in worker_places(worker_group)]
         connect = spec.connect
         self._info = _runtime.RunInfo(
@@ -117,6 +122,8 @@ class PSBackend(TorchBackend):
             server_node_ids=server_nodes,
             topology=connect(self._servers, worker_nodes, server_nodes, cfg) if connect else None,
             joined=bool(exported),
+            replicas=list(self._replicas),
+            replica_node_ids=replica_nodes,
         )
         install = worker_group.execute_async(_runtime.install_run, self._info)
         ray.get(install, timeout=cfg.ps_timeout_s)
@@ -126,6 +133,50 @@ class PSBackend(TorchBackend):
             num_workers,
             ", with the state the previous ones held" if exported else "",
         )
+
+    def _start_shards(
+        self, placements: list[Any], num_workers: int, cfg: BackendSettings
+    ) -> list[Any]:
+        """Starts one shard actor of the run's mode per placement (not waiting)."""
+        spec = spec_of(cfg)
+        actor_cls: Any = ray.remote(self.shard_class(cfg))
+        args = spec.shard_args(cfg)
+        return [
+            actor_cls.options(
+                **placement.options(),
+                max_restarts=0,
+                max_concurrency=spec.max_concurrency,
+            ).remote(i, num_workers, *args)
+            for i, placement in enumerate(placements)
+        ]
+
+    def _ready(self, shards: list[Any], cfg: BackendSettings) -> list[str]:
+        """Waits (bounded) until ``shards`` are up; returns their node ids.
+
+        Raises:
+            TimeoutError: Naming the resources no node could give them.
+        """
+        try:
+            ready = _bounded(
+                [s.ready.remote() for s in shards],
+                cfg.ps_start_timeout_s,
+                f"{len(shards)} parameter-server shard(s) did not start",
+            )
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}{unplaced_shards_message(cfg.server_resources)}") from e
+        return [r["node_id"] for r in ready]
+
+    def _promote_lost(self) -> None:
+        """Where a shard is dead and has a replica, the replica serves from now on
+        (the workers promote it too, when their calls fail)."""
+        failover = self._failover
+        if failover is None:
+            return
+        for i in range(len(self._replicas)):
+            try:
+                failover.take_over_if_dead(i)
+            except Exception as e:
+                logger.warning("Could not promote the replica of shard %d: %s", i, e)
 
     def on_shutdown(self, worker_group: Any, backend_config: BackendConfig) -> None:
         cfg = _settings(backend_config)
@@ -156,6 +207,7 @@ class PSBackend(TorchBackend):
         """Keeps the shards' state for the group Ray Train starts next (a failure
         every worker saw, an elastic resize): the shards die with the old group's
         placement group, their state lives on as objects this controller owns."""
+        self._promote_lost()
         refs = [s.export_state.remote() for s in self._servers]
         try:
             ray.wait(refs, num_returns=len(refs), timeout=cfg.ps_timeout_s)
@@ -176,6 +228,7 @@ class PSBackend(TorchBackend):
         no collective while training)."""
         super().on_start(group, backend_config)
         ranks = group_ranks(group)
+        self._promote_lost()
         calls = [s.admit.remote(r) for s in self._servers for r in ranks]
         try:
             _bounded(calls, cfg.ps_timeout_s, f"the shards did not admit rank(s) {ranks}")
@@ -190,7 +243,7 @@ class PSBackend(TorchBackend):
             kill_workers(self._group)
             return
         assert self._info is not None
-        info = dataclasses.replace(self._info, joined=True)
+        info = dataclasses.replace(self._info, joined=True, servers=list(self._servers))
         ray.get(group.execute_async(_runtime.install_run, info), timeout=cfg.ps_timeout_s)
         logger.info("Rank(s) %s joined the live parameter-server shards.", ranks)
 
@@ -198,6 +251,7 @@ class PSBackend(TorchBackend):
         """A replica group's worker was lost: no shard waits for its rank any more,
         while the other workers go on."""
         ranks = group_ranks(group)
+        self._promote_lost()
         calls = [s.leave.remote(r) for s in self._servers for r in ranks]
         try:
             _bounded(calls, cfg.ps_timeout_s, f"the shards did not let rank(s) {ranks} go")
@@ -211,7 +265,8 @@ class PSBackend(TorchBackend):
     def _stop_servers(self) -> None:
         # ray.kill returns at once (no wait to bound); the actors' bundles are
         # released with the workers' placement group.
-        servers, self._servers = self._servers, []
+        servers, self._servers = self._servers + self._replicas, []
+        self._replicas = []
         for s in servers:
             ray.kill(s, no_restart=True)
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ray_ps_plugin import _ray_compat, _runtime, _torch_compat
+from ray_ps_plugin import _optim_hooks, _ray_compat, _runtime, _torch_compat
 from ray_ps_plugin._modes import real_tables, spec_of
 from ray_ps_plugin._tables import client as _table_client
 from ray_ps_plugin._tables import layers as _table_layers
@@ -151,7 +151,7 @@ def attach(ddp: PSDistributedDataParallel) -> None:
 
     def open_transport() -> RayTransport:
         direct = spec.direct_path(info.settings, info.topology) if spec.direct_path else None
-        return RayTransport(info.servers, info.settings.ps_timeout_s, direct)
+        return RayTransport(info.servers, info.settings.ps_timeout_s, direct, info.replicas)
 
     transport = _runtime.shared_transport(open_transport)
     client = spec.build_client(setup, transport)
@@ -195,6 +195,13 @@ def _before_ddp(module: torch.nn.Module) -> None:
     names = _table_layers.meta_table_names(module)
     if real_tables(settings) != "workers":
         names += _table_layers.replica_table_names(module)
+    if names and settings.shard_replicas:
+        raise ValueError(
+            f"PSConfig.shard_replicas=1 does not hold the rows of tables kept on the "
+            f"shards ({names}) twice yet. Use sparse_optimizer='workers' for sparse "
+            "nn.Embedding layers (their weights are then replicated with the other "
+            "parameters), or shard_replicas=0."
+        )
     if names:
         _torch_compat.ignore_in_ddp(module, names)
 
@@ -335,7 +342,7 @@ class PSTrainFuncContext:
         except BaseException as e:
             self._base.__exit__(type(e), e, e.__traceback__)
             raise
-        _runtime.ensure_optimizer_hooks()
+        _optim_hooks.ensure_optimizer_hooks()
         return self
 
     def __exit__(
@@ -349,7 +356,7 @@ class PSTrainFuncContext:
             _runtime.finish_clients(raising=exc_type is None)
             _check_servers_used(raising=exc_type is None)
         finally:
-            _runtime.remove_optimizer_hooks()
+            _optim_hooks.remove_optimizer_hooks()
             _runtime.close_clients()
             self._base.__exit__(exc_type, exc, tb)
 

@@ -72,6 +72,8 @@ class ModeSpec:
         relays_chunks: Whether a node's first shard sums the node's workers' chunks
             before they cross the network (sync), so ``server_placement="auto"``
             may start one shard per node instead of one per worker.
+        replicates: Whether ``PSConfig.shard_replicas`` can hold the shards' state
+            twice (async, ssp: a replica replays every applied update).
         table_copies: With the tables stepped on the shards, whether every worker
             keeps its copy written from the shards' answers (sync: every step waits
             for all workers, so the copies stay equal) or looks the rows it needs
@@ -92,6 +94,7 @@ class ModeSpec:
     tables_on_shards: bool = True
     table_copies: bool = False
     relays_chunks: bool = False
+    replicates: bool = False
 
 
 _SUM = ModeSpec(
@@ -122,6 +125,7 @@ _ASYNC = ModeSpec(
     # leaves room for the pings and stats calls besides.
     max_concurrency=1000,
     sparse_optimizer="shards",
+    replicates=True,
 )
 
 _SSP = dataclasses.replace(
@@ -154,6 +158,7 @@ _DILOCO = ModeSpec(
     max_concurrency=_ASYNC.max_concurrency,  # the same calls as async/ssp
     tables_on_shards=False,
     bound=_round_bound,
+    replicates=False,
 )
 
 MODE_SPECS: dict[Mode, ModeSpec] = {

@@ -30,6 +30,7 @@ from ray_ps_plugin._types import RunSettings, ServerPlacement
 __all__ = [
     "BackendSettings",
     "ShardPlacement",
+    "place_replicas",
     "place_shards",
     "unplaced_shards_message",
 ]
@@ -41,6 +42,7 @@ class BackendSettings(RunSettings, Protocol):
     num_servers: int | None
     server_placement: ServerPlacement
     server_resources: dict[str, float] | None
+    shard_replicas: int
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,42 @@ def _on_server_nodes(resources: Mapping[str, float], count: int) -> list[ShardPl
     return [ShardPlacement("SPREAD", cpus, custom) for _ in range(count)]
 
 
+def place_replicas(
+    worker_group: Any, cfg: BackendSettings, shard_nodes: list[str]
+) -> list[ShardPlacement]:
+    """One placement per shard's replica, on another node than the shard's where
+    there is one: another node carrying ``server_resources``, or else the bundle of
+    the next worker on another node (the same node, in the next worker's bundle,
+    when all share one: the replica then outlives the shard's process only)."""
+    if cfg.server_resources:
+        custom = {k: float(v) for k, v in cfg.server_resources.items() if k != "CPU"}
+        cpus = float(cfg.server_resources.get("CPU", 0))
+        carrying = _carrying(custom)
+        placements = []
+        for i, node in enumerate(shard_nodes):
+            others = [n for n in carrying if n != node] or [node]
+            strategy = NodeAffinitySchedulingStrategy(others[i % len(others)], soft=False)
+            placements.append(ShardPlacement(strategy, cpus, custom))
+        return placements
+    bundles = _in_worker_bundles(worker_group, None, False)
+    nodes = [p.node_id for p in worker_places(worker_group)]
+    out = []
+    for i, node in enumerate(shard_nodes):
+        order = [(i + 1 + k) % len(nodes) for k in range(len(nodes))]
+        elsewhere = [w for w in order if nodes[w] != node]
+        out.append(bundles[(elsewhere or order)[0]])
+    return out
+
+
+def _carrying(custom: Mapping[str, float]) -> list[str]:
+    """The ids of the live nodes that carry every resource in ``custom``."""
+    return [
+        n["NodeID"]
+        for n in ray.nodes()
+        if n.get("Alive") and all(n.get("Resources", {}).get(k, 0) > 0 for k in custom)
+    ]
+
+
 def unplaced_shards_message(resources: Mapping[str, float] | None) -> str:
     """Why shards may not have started, in words: for shards on nodes of their own,
     which nodes carry the resources they ask for."""
@@ -135,11 +173,7 @@ def unplaced_shards_message(resources: Mapping[str, float] | None) -> str:
         return ""
     wanted = json.dumps(dict(resources))
     custom = [k for k in resources if k != "CPU"]
-    carrying = [
-        n["NodeID"][:12]
-        for n in ray.nodes()
-        if n.get("Alive") and all(n.get("Resources", {}).get(k, 0) > 0 for k in custom)
-    ]
+    carrying = [n[:12] for n in _carrying(dict.fromkeys(custom, 1.0))]
     if not carrying:
         return (
             f" No live node carries the resource(s) {custom} that "

@@ -14,17 +14,12 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook,
-    register_optimizer_step_pre_hook,
-)
 
 from ray_ps_plugin._client import ClientBase, ClientSetup
 from ray_ps_plugin._metrics import WorkerMetrics
@@ -62,6 +57,9 @@ class RunInfo:
             starts: it replaces a lost worker, or its whole group restarted while
             the shards' state was kept. Its models then take the shards'
             parameters and go on from the clocks the shards hold for its rank.
+        replicas: Each shard's replica (``PSConfig.shard_replicas``), in shard
+            order, or empty.
+        replica_node_ids: Node id of each replica.
     """
 
     settings: RunSettings
@@ -69,6 +67,8 @@ class RunInfo:
     server_node_ids: Sequence[str]
     topology: Any = None
     joined: bool = False
+    replicas: Sequence[Any] = ()
+    replica_node_ids: Sequence[str] = ()
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,8 @@ class PSContext:
             ``prepare_model``.
         num_models: Models prepared so far by this worker (each has its own keys,
             clocks and counters on the shards).
+        replica_node_ids: The node id of each shard's replica, in shard order
+            (``PSConfig.shard_replicas=1``), else empty.
     """
 
     mode: Mode
@@ -96,6 +98,7 @@ class PSContext:
     world_size: int
     shared_memory_shards: tuple[int, ...] = ()
     num_models: int = 0
+    replica_node_ids: tuple[str, ...] = ()
 
     @property
     def start_step(self) -> int:
@@ -203,7 +206,6 @@ _RUN: RunInfo | None = None
 _CLIENTS: list[ClientBase] = []
 _TABLES: list[ShardedTables] = []  # the prepared models' sharded tables, if any
 _TRANSPORT: Transport | None = None  # see shared_transport
-_OPTIMIZER_HOOKS: list[Any] = []
 
 
 def install_run(info: RunInfo) -> None:
@@ -254,6 +256,7 @@ def get_ps_context() -> PSContext | None:
         world_size=ctx.get_world_size(),
         shared_memory_shards=_CLIENTS[-1].shared_memory_shards if _CLIENTS else (),
         num_models=len(_CLIENTS),
+        replica_node_ids=tuple(_RUN.replica_node_ids),
     )
 
 
@@ -319,86 +322,9 @@ def _worker_metrics(mode: str, rank: int, model: int) -> WorkerMetrics | None:
         return None
 
 
-# --- optimizer hooks ------------------------------------------------------------------
-def ensure_optimizer_hooks() -> None:
-    """Registers the process-wide optimizer step hooks (once)."""
-    if not _OPTIMIZER_HOOKS:
-        _OPTIMIZER_HOOKS.append(register_optimizer_step_pre_hook(_before_optimizer_step))
-        _OPTIMIZER_HOOKS.append(register_optimizer_step_post_hook(_after_optimizer_step))
-
-
-def remove_optimizer_hooks() -> None:
-    while _OPTIMIZER_HOOKS:
-        _OPTIMIZER_HOOKS.pop().remove()
-    _PENDING_CLOSURES.clear()
-
-
-def _before_optimizer_step(
-    optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """Runs the owning clients' ``before_step`` right before the parameters change.
-
-    Without a closure that is now. With one (``optimizer.step(closure)``, as PyTorch
-    Lightning's automatic optimization calls it) the forward and backward passes
-    happen inside ``step()``, after this hook: the closure is wrapped so that
-    ``before_step`` runs once it returns, on this step's gradients and on the
-    parameters its forward pass used, before the optimizer touches them.
-    """
-    steps: list[Callable[[], None]] = [c.before_step for c in _CLIENTS if c.owns(optimizer)]
-    steps += [functools.partial(t.before_step, optimizer) for t in _TABLES if t.owns(optimizer)]
-    if not steps:
-        return None
-    closure = kwargs.get("closure") if "closure" in kwargs else (args[1] if len(args) > 1 else None)
-    if closure is None:
-        for step in steps:
-            step()
-        return None
-    wrapped = _StepClosure(closure, steps)
-    _PENDING_CLOSURES[optimizer] = wrapped
-    if "closure" in kwargs:
-        return args, {**kwargs, "closure": wrapped}
-    return (args[0], wrapped, *args[2:]), kwargs
-
-
-def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    wrapped = _PENDING_CLOSURES.pop(optimizer, None)
-    if wrapped is not None and not wrapped.called:
-        raise RuntimeError(
-            f"{type(optimizer).__name__}.step() was given a closure but did not call it; "
-            "the parameter servers need the step's gradients before the parameters "
-            "change. Call the closure inside step() (as torch's optimizers do), or run "
-            "forward/backward before optimizer.step() without a closure."
-        )
-    for client in _CLIENTS:
-        if client.owns(optimizer):
-            client.after_step()
-    for tables in _TABLES:
-        if tables.owns(optimizer):
-            tables.after_step()
-
-
-class _StepClosure:
-    """An optimizer closure that runs the clients' ``before_step`` (``steps``) after
-    its first call (LBFGS calls it again after changing the parameters: those calls
-    are the step's own business)."""
-
-    def __init__(self, closure: Any, steps: list[Callable[[], None]]) -> None:
-        self._closure = closure
-        self._steps = steps
-        self.called = False
-
-    def __call__(self) -> Any:
-        out = self._closure()
-        if not self.called:
-            self.called = True
-            for step in self._steps:
-                step()
-        return out
-
-
-_PENDING_CLOSURES: weakref.WeakKeyDictionary[torch.optim.Optimizer, _StepClosure] = (
-    weakref.WeakKeyDictionary()
-)
+def owners(optimizer: torch.optim.Optimizer) -> tuple[list[ClientBase], list[ShardedTables]]:
+    """The clients and table sets whose parameters ``optimizer`` steps."""
+    return [c for c in _CLIENTS if c.owns(optimizer)], [t for t in _TABLES if t.owns(optimizer)]
 
 
 # --- end of the training function --------------------------------------------------

@@ -18,12 +18,13 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ray_ps_plugin import _shm as shm
 from ray_ps_plugin._errors import PSError, PSTimeoutError, WaitTimeout
+from ray_ps_plugin._failover import Failover
 from ray_ps_plugin._ray_compat import ping_actor
 from ray_ps_plugin._shm import Segment, SegmentHandle
 
@@ -33,6 +34,7 @@ __all__ = [
     "Lane",
     "RayTransport",
     "Transport",
+    "local_or_message",
     "mapped",
     "open_lanes",
     "wait_all",
@@ -44,6 +46,10 @@ logger = logging.getLogger(__name__)
 # How long a shard may take to answer a liveness ping after a wait timed out; a
 # shard that answers within this is alive (it was waiting for someone else).
 PING_TIMEOUT_S = 5.0
+
+# Calls that name the caller's shared memory with a shard: a replica elsewhere
+# cannot answer them, so their callers guard them with a call by message.
+_LOCAL_CALLS = frozenset({"push_local", "pull_local"})
 
 #: A call or push in flight, on any path: a Ray call (through ``ObjectRef.future``),
 #: a push on the direct path, or a fake's call in unit tests.
@@ -147,6 +153,18 @@ class Transport(Protocol):
         """The shards among ``shards`` that do not answer a ping within ``timeout_s``."""
         ...
 
+    def guard(
+        self, shard: int, handle: Handle[Any], resend: Callable[[], Handle[Any]]
+    ) -> Handle[Any]:
+        """``handle``, or, should ``shard`` die with a replica to take over, the
+        result of ``resend()`` made once the replica serves it (see :meth:`moved`)."""
+        ...
+
+    def moved(self, shard: int) -> bool:
+        """Whether ``shard``'s replica serves it now (its calls go there; shared
+        memory with the dead primary is no longer read)."""
+        ...
+
     def close(self) -> None:
         """Releases what the transport holds open (the direct path's connections)."""
         ...
@@ -168,6 +186,19 @@ def mapped(handle: Handle[Any], fn: Any) -> Handle[Any]:
 
     handle.add_done_callback(done)
     return out
+
+
+def local_or_message(
+    transport: Transport,
+    shard: int,
+    local: Callable[[], Handle[Any]],
+    by_message: Callable[[], Handle[Any]],
+) -> Handle[Any]:
+    """A call through shared memory with ``shard`` (``local``), guarded by the same
+    call by message, which a promoted replica, on another node, takes instead."""
+    if transport.moved(shard):
+        return by_message()
+    return transport.guard(shard, local(), by_message)
 
 
 def wait_handles(handles: Sequence[Handle[Any]], timeout_s: float) -> list[Any]:
@@ -195,18 +226,26 @@ class RayTransport:
     A call's handle is its ``ObjectRef.future()``: it resolves, or raises the error
     ``ray.get`` would raise, without a ``ray.get`` per handle type.
 
+    A call to a shard with a replica is guarded (:mod:`ray_ps_plugin._failover`).
+
     Args:
         servers: The shard actor handles, in shard order.
-        timeout_s: Bound on the blocking calls (``attach``).
+        timeout_s: Bound on the blocking calls (``attach``, a promotion).
         direct: The run's direct path, or ``None``; closed by :meth:`close`.
+        replicas: Each shard's replica (``PSConfig.shard_replicas``), or empty.
     """
 
     def __init__(
-        self, servers: Sequence[Any], timeout_s: float, direct: DirectPath | None = None
+        self,
+        servers: Sequence[Any],
+        timeout_s: float,
+        direct: DirectPath | None = None,
+        replicas: Sequence[Any] = (),
     ) -> None:
-        self._servers = list(servers)
+        self._servers = list(servers)  # a promoted replica replaces its primary here
         self._timeout_s = timeout_s
         self.direct = direct
+        self._failover = Failover(self._servers, replicas, timeout_s)
 
     def close(self) -> None:
         """Closes the direct path's connections (Ray calls need no closing)."""
@@ -218,7 +257,17 @@ class RayTransport:
         # Ray serialises the arguments inside .remote(): buffers passed here may be
         # reused as soon as this returns.
         future: Handle[Any] = getattr(self._servers[shard], method).remote(*args).future()
-        return future
+        if method in _LOCAL_CALLS:
+            return future  # the caller guards it with a call by message
+        return self.guard(shard, future, lambda: self.call(shard, method, *args))
+
+    def guard(
+        self, shard: int, handle: Handle[Any], resend: Callable[[], Handle[Any]]
+    ) -> Handle[Any]:
+        return self._failover.guard(shard, handle, resend)
+
+    def moved(self, shard: int) -> bool:
+        return self._failover.moved(shard)
 
     def attach(
         self, shard: int, model: int, rank: int, inputs: SegmentHandle, lo: int, nbytes: int

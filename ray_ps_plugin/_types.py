@@ -91,3 +91,4 @@ class RunSettings(Protocol):
     diloco_overlap: bool
     sparse_optimizer: SparseOptimizer | None
     replace_lost_workers: bool
+    shard_replicas: int

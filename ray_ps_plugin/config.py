@@ -162,6 +162,14 @@ class PSConfig(TorchConfig):
             state is kept over the restart: the workers start from it, and a
             checkpoint loaded then does not roll it back. Ignored in ``"sync"``,
             which restarts every worker from its checkpoint, as DDP.
+        shard_replicas: ``1`` holds every shard's state twice (``"async"`` and
+            ``"ssp"``): a replica shard on another node (the next worker's node,
+            or another node carrying ``server_resources``; the same node where
+            there is no other) replays every update its primary applies, and the
+            primary answers a worker only once the replica holds it. When a
+            primary dies, the workers go on with its replica, losing no confirmed
+            update and restarting nothing. Sharded embedding tables are not
+            replicated (refused). ``0`` (default): one copy, as before.
         sparse_optimizer: Where the optimizer of sparse embedding tables
             (``nn.Embedding`` / ``nn.EmbeddingBag`` with ``sparse=True`` on a real
             device) runs. ``"workers"``: each worker's optimizer steps its own copy
@@ -211,6 +219,7 @@ class PSConfig(TorchConfig):
     diloco_rounds: RoundMode = "sync"
     diloco_overlap: bool = False
     replace_lost_workers: bool = False
+    shard_replicas: int = 0
     sparse_optimizer: SparseOptimizer | None = None
 
     def __post_init__(self) -> None:
@@ -246,6 +255,7 @@ class PSConfig(TorchConfig):
             )
         if self.server_resources is not None:
             self._check_server_resources()
+        self._check_replicas()
         if self.server_placement == "node" and self.num_servers is not None:
             raise ValueError(
                 f"PSConfig.server_placement='node' starts one shard per node and cannot "
@@ -276,6 +286,21 @@ class PSConfig(TorchConfig):
                 f"PSConfig.server_placement={self.server_placement!r} places shards in "
                 "the workers' bundles and cannot be combined with server_resources, "
                 "which places them on the nodes carrying those resources; drop one."
+            )
+
+    def _check_replicas(self) -> None:
+        _check_int("shard_replicas", self.shard_replicas, minimum=0)
+        if self.shard_replicas > 1:
+            raise ValueError(
+                f"PSConfig.shard_replicas={self.shard_replicas}: one replica per shard "
+                "is supported (1), or none (0)."
+            )
+        if self.shard_replicas and not MODE_SPECS[self.mode].replicates:
+            replicated = [m for m, spec in MODE_SPECS.items() if spec.replicates]
+            raise ValueError(
+                f"PSConfig.shard_replicas=1 does not apply to mode={self.mode!r}: "
+                f"replicas hold the state of the modes {replicated}. Use one of them, "
+                "or shard_replicas=0."
             )
 
     def _check_diloco(self) -> None:

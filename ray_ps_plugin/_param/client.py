@@ -37,9 +37,10 @@ from ray_ps_plugin._client import ClientBase, ClientSetup, ModelHook, warn_kept_
 from ray_ps_plugin._codec import Codec, to_numpy
 from ray_ps_plugin._nonfinite import all_finite
 from ray_ps_plugin._param.flat import FlatParams
+from ray_ps_plugin._param.lanes import LaneCalls
 from ray_ps_plugin._param.layout import single_dtype, split_bounds
 from ray_ps_plugin._param.reply import InFlight, Reply
-from ray_ps_plugin._transport import Handle, Lane, Transport, mapped, open_lanes
+from ray_ps_plugin._transport import Handle, Lane, Transport, open_lanes
 
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
@@ -84,6 +85,13 @@ class ParamClient(ClientBase):
         # now is what rank 0 seeds the shards with.
         self._flat = FlatParams(
             params, self._bounds, {s: lane.inputs for s, lane in self._lanes.items()}
+        )
+        self._lane_calls = LaneCalls(
+            transport,
+            setup.model_id,
+            setup.rank,
+            lambda s: self._codec.encode(self._flat.delta_parts[s]),
+            self._push_by_message,
         )
         # The weight the shards give one worker's delta (see ParamShard._push_pull).
         self._scale = 1.0 / setup.world_size
@@ -258,22 +266,12 @@ class ParamClient(ClientBase):
         by_message = len(self._lanes) < self.num_shards
         delta = self._codec.encode(self._flat.delta) if by_message else None
         handles = []
-        direct = self._transport.direct
         for s, (a, b) in enumerate(self._slices()):
-            if s in self._lanes and direct is not None and direct.reaches(s):
-                # A frame on an open socket: a Ray call and its reply cost a
-                # worker about a millisecond of CPU on a loaded machine.
-                notice = direct.param_local(s, self.model_id, self.rank, self._clock, slot)
-                handles.append(mapped(notice, Reply.unpack))
-            elif s in self._lanes:
-                handles.append(
-                    self._transport.call(
-                        s, "push_local", self.model_id, self.rank, self._clock, slot
-                    )
-                )
-            else:
+            if s not in self._lanes:
                 assert delta is not None
-                handles.append(self._push_by_message(s, delta[a:b]))
+                handles.append(self._push_by_message(s, delta[a:b], self._clock))
+                continue
+            handles.append(self._lane_calls.push(s, self._clock, slot))
         with self._lock:
             self._stats.clock = self._clock
             self._stats.pushes += len(handles)
@@ -281,11 +279,9 @@ class ParamClient(ClientBase):
                 self._count_push(s, nbytes)
         return handles
 
-    def _push_by_message(self, shard: int, delta: Any) -> Handle[Any]:
-        """Sends one shard its slice of the delta (encoded) for the current clock."""
-        return self._transport.call(
-            shard, "push_pull", self.model_id, self.rank, self._clock, delta
-        )
+    def _push_by_message(self, shard: int, delta: Any, clock: int) -> Handle[Any]:
+        """Sends one shard its slice of the delta (encoded) as ``clock``'s update."""
+        return self._transport.call(shard, "push_pull", self.model_id, self.rank, clock, delta)
 
     # --- consistency points -------------------------------------------------------
     def flush(self) -> None:
@@ -313,7 +309,7 @@ class ParamClient(ClientBase):
         # (clock + 1) will answer in the other one.
         slot = clock % 2
         handles = [
-            self._transport.call(s, "pull_local", self.model_id, self.rank, clock, slot)
+            self._lane_calls.pull(s, clock, slot)
             if s in self._lanes
             else self._transport.call(s, "pull", self.model_id, self.rank, clock)
             for s in range(self.num_shards)

@@ -214,13 +214,13 @@ class DilocoClient(ParamClient):
         # delta, base = params; the answer is in the previous round's output slot.
         self._overlapped_push("round")
 
-    def _push_by_message(self, shard: int, delta: Any) -> Handle[Any]:
+    def _push_by_message(self, shard: int, delta: Any, clock: int) -> Handle[Any]:
         """Another node's shard's slice goes to this node's relay, if it has one."""
         if shard not in self._relayed:
-            return super()._push_by_message(shard, delta)
+            return super()._push_by_message(shard, delta, clock)
         assert self._relay is not None
         return self._transport.call(
-            self._relay, "relay_push", self.model_id, self.rank, self._clock, shard, delta
+            self._relay, "relay_push", self.model_id, self.rank, clock, shard, delta
         )
 
     def _take_delta(self) -> None:

@@ -33,8 +33,10 @@ import torch
 from ray_ps_plugin._codec import Codec, as_torch
 from ray_ps_plugin._dtypes import model_dtype, storage
 from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
+from ray_ps_plugin._param.replica import ReplayOrder, ReplicaLink, Replicated
 from ray_ps_plugin._param.reply import Reply
-from ray_ps_plugin._param.state import ParamState, Waiting
+from ray_ps_plugin._param.reseed import Reseeding
+from ray_ps_plugin._param.state import ParamState, Waiting, export_models, import_model
 from ray_ps_plugin._shard import resized
 from ray_ps_plugin._shm import Segment, SegmentHandle
 from ray_ps_plugin._tables.host import TableHost
@@ -44,7 +46,7 @@ from ray_ps_plugin._wire.frames import PARAM_LOCAL, Frame
 __all__ = ["ParamShard", "Reply"]
 
 
-class ParamShard(TableHost):
+class ParamShard(TableHost, Replicated, Reseeding):
     """Owns one slice of each model's parameters; applies the workers' updates serially.
 
     Args:
@@ -71,6 +73,8 @@ class ParamShard(TableHost):
         self._models: dict[int, ParamState] = {}
         self._changed = asyncio.Condition()  # a reseed's generation (wait_generation)
         self._max_read_gap = 0
+        self._link = ReplicaLink(shard_index, timeout_s)
+        self._order = ReplayOrder(shard_index, timeout_s)
 
     def _model(self, model: int) -> ParamState:
         state = self._models.get(model)
@@ -121,53 +125,9 @@ class ParamShard(TableHost):
         state.clocks = [clock] * self.num_workers
         self._bytes_in += params.nbytes
         state.initialised.set()
+        self._link.forward("init", model, params, clock)
+        await self._link.confirm()
         return True
-
-    async def reseed(self, model: int, generation: int, params: np.ndarray) -> None:
-        """Replaces the parameters with ones a worker loaded (``load_state_dict``).
-
-        Clocks stay: a load is not an update. Each generation is applied once.
-
-        Raises:
-            ShardProtocolError: The slice's dtype or size differs from the shard's
-                (a state dict of another model was loaded).
-        """
-        dtype = model_dtype(params)
-        self._check(model, 0, dtype)
-        state = self._model(model)
-        await self._wait_initialised(state, model, 0)
-        assert state.params is not None
-        if dtype != state.dtype or params.shape != tuple(state.params.shape):
-            raise ShardProtocolError(
-                f"shard {self.shard_index}: model {model}: a loaded state dict gives "
-                f"{dtype}{list(params.shape)} for a slice of {state.dtype}"
-                f"{list(state.params.shape)}; it belongs to another model."
-            )
-        if generation > state.generation:
-            state.params.copy_(as_torch(params))
-            state.generation = generation
-            self._bytes_in += params.nbytes
-            async with self._changed:
-                self._changed.notify_all()
-
-    async def wait_generation(self, model: int, rank: int, generation: int) -> None:
-        """Waits (bounded) until the parameters of reseed ``generation`` are in."""
-        self._check(model, rank)
-        state = self._model(model)
-        if state.generation >= generation:
-            return
-        try:
-            async with self._changed:
-                await asyncio.wait_for(
-                    self._changed.wait_for(lambda: state.generation >= generation),
-                    self.timeout_s,
-                )
-        except asyncio.TimeoutError:
-            raise ShardTimeoutError(
-                f"shard {self.shard_index}: model {model}: rank {rank} loaded a state dict "
-                f"and waited {self.timeout_s:g}s for rank 0 to load it too. Call "
-                "load_state_dict on every worker (or on rank 0 only)."
-            ) from None
 
     async def _on_frame(self, frame: Frame, payload: np.ndarray) -> np.ndarray:
         """A worker's notice on the direct path that its update of clock ``step``
@@ -243,13 +203,16 @@ class ParamShard(TableHost):
         self._check(model, rank)
         state = self._model(model)
         state.finished.add(rank)
+        self._link.forward("finish", model, rank)
         self._serve_waiting(model, state)
+        await self._link.confirm()
 
     # --- membership: a worker lost, replaced, or a whole group restarted ------------
     async def leave(self, rank: int) -> None:
         """A worker is gone (its process died): no model or table waits for it. What
         it had in flight was applied or not; a push is applied whole or not at all."""
         self._check(0, rank)
+        self._link.forward("leave", rank)
         for model in list(self._models):
             await self.finish(model, rank)
         await self._tables.leave(rank)
@@ -261,6 +224,7 @@ class ParamShard(TableHost):
         (ssp) the others ran ahead meanwhile: it holds no one back until it is
         within the bound again."""
         self._check(0, rank)
+        self._link.forward("admit", rank)
         for model, state in self._models.items():
             state.finished.discard(rank)
             if self.staleness is not None:
@@ -268,6 +232,7 @@ class ParamShard(TableHost):
                 self._catch_up(state, rank)
                 self._serve_waiting(model, state)
         self._tables.admit(rank)
+        await self._link.confirm()
 
     def _catch_up(self, state: ParamState, rank: int) -> None:
         """A free rank within the bound of the others again waits and is waited for."""
@@ -277,30 +242,16 @@ class ParamShard(TableHost):
     def export_state(self) -> dict[str, Any]:
         """Everything a run's later shards need to go on where these stopped: each
         model's parameters, dtype, clocks and reseed generation, and the tables."""
-        models = {
-            model: {
-                "params": state.params.numpy().copy(),
-                "dtype": state.dtype,
-                "clocks": list(state.clocks),
-                "finished": sorted(state.finished),
-                "generation": state.generation,
-            }
-            for model, state in self._models.items()
-            if state.params is not None
-        }
-        return {"models": models, "tables": self._tables.export()}
+        return {"models": export_models(self._models), "tables": self._tables.export()}
 
     def import_state(self, exported: dict[str, Any]) -> None:
         """Takes what a shard of an earlier worker group exported (the same slice of
         every model), for this group's workers (their number may differ)."""
         bounded = self.staleness is not None
         for model, m in exported["models"].items():
-            state = self._model(model)
-            state.params = torch.from_numpy(np.array(m["params"], copy=True))
-            state.dtype = m["dtype"]
-            state.clocks = resized(m["clocks"], self.num_workers, set(), bounded)
-            state.generation = m["generation"]
-            state.initialised.set()
+            import_model(
+                self._model(model), m, resized(m["clocks"], self.num_workers, set(), bounded)
+            )
         self._tables.import_(exported["tables"], bounded)
 
     async def _push_pull(
@@ -313,26 +264,53 @@ class ParamShard(TableHost):
         nbytes: int,
         slot: int | None = None,
     ) -> Reply:
+        self._take(state, model, rank, clock, delta, nbytes)
+        await self._link.confirm()  # confirmed only once the replica holds it too
+        return await self._read(state, model, rank, clock, slot)
+
+    async def mirror(self, model: int, rank: int, clock: int, update: np.ndarray) -> None:
+        """Takes an update its primary applied (a replica's :meth:`replay`)."""
+        state = self._model(model)
+        await self._wait_initialised(state, model, rank)
+        self._take(state, model, rank, clock, update, update.nbytes)
+
+    def _take(
+        self,
+        state: ParamState,
+        model: int,
+        rank: int,
+        clock: int,
+        delta: np.ndarray | torch.Tensor,
+        nbytes: int,
+    ) -> None:
+        """Applies ``rank``'s update of ``clock`` once (a repeat is counted, not
+        applied) and forwards it to the replica.
+
+        Raises:
+            ShardProtocolError: Updates before ``clock`` are missing, or the update
+                does not fit the slice.
+        """
         assert state.params is not None
         last = state.clocks[rank]
         if clock <= last:
             self._duplicates += 1  # a retried or duplicated delivery
-        elif clock == last + 1:
-            update = as_torch(delta) if isinstance(delta, np.ndarray) else delta
-            self._check_slice(model, f"rank {rank}", update, state.params)
-            state.clocks[rank] = clock
-            self._apply(model, state, rank, update)
-            self._catch_up(state, rank)
-            self._serve_waiting(model, state)
-            self._pushes += 1
-            self._bytes_in += nbytes
-        else:
+            return
+        if clock != last + 1:
             raise ShardProtocolError(
                 f"shard {self.shard_index}: model {model}: rank {rank} pushed the update "
                 f"of clock {clock} after clock {last}; updates {last + 1}..{clock - 1} "
                 "are missing."
             )
-        return await self._read(state, model, rank, clock, slot)
+        update = as_torch(delta) if isinstance(delta, np.ndarray) else delta
+        self._check_slice(model, f"rank {rank}", update, state.params)
+        state.clocks[rank] = clock
+        self._apply(model, state, rank, update)
+        if self._link.replica is not None:  # before any await: replayed in this order
+            self._link.forward("mirror", model, rank, clock, update.to(state.params.dtype).numpy())
+        self._catch_up(state, rank)
+        self._serve_waiting(model, state)
+        self._pushes += 1
+        self._bytes_in += nbytes
 
     def _check_slice(
         self, model: int, sender: str, update: torch.Tensor, params: torch.Tensor

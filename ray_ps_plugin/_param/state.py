@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import torch
 
 from ray_ps_plugin._param.reply import Reply
 from ray_ps_plugin._shm import Segment
 
-__all__ = ["ParamState", "Waiting"]
+__all__ = ["ParamState", "Waiting", "export_models", "import_model"]
 
 
 @dataclass(eq=False)
@@ -62,3 +64,28 @@ class ParamState:
         ready = [w for w in self.waiting if w.need <= slowest or w.rank in self.free]
         self.waiting = [w for w in self.waiting if w not in ready]
         return ready
+
+
+def export_models(models: dict[int, ParamState]) -> dict[int, dict[str, Any]]:
+    """What a later shard of the same slice needs of each initialised model: the
+    parameters, dtype, clocks and reseed generation."""
+    return {
+        model: {
+            "params": state.params.numpy().copy(),
+            "dtype": state.dtype,
+            "clocks": list(state.clocks),
+            "finished": sorted(state.finished),
+            "generation": state.generation,
+        }
+        for model, state in models.items()
+        if state.params is not None
+    }
+
+
+def import_model(state: ParamState, exported: dict[str, Any], clocks: list[int]) -> None:
+    """Takes one model's exported state, with ``clocks`` for this run's workers."""
+    state.params = torch.from_numpy(np.array(exported["params"], copy=True))
+    state.dtype = exported["dtype"]
+    state.clocks = clocks
+    state.generation = exported["generation"]
+    state.initialised.set()

@@ -21,7 +21,16 @@ import ray
 from ray import cloudpickle
 from ray.cluster_utils import Cluster
 
-from tests.integration import compat_loops, digits, dlrm, faults, loops, tables, workerloss
+from tests.integration import (
+    compat_loops,
+    digits,
+    dlrm,
+    faults,
+    loops,
+    replication,
+    tables,
+    workerloss,
+)
 
 # Workers cannot import the tests package; ship the loops by value.
 cloudpickle.register_pickle_by_value(loops)
@@ -31,6 +40,7 @@ cloudpickle.register_pickle_by_value(compat_loops)
 cloudpickle.register_pickle_by_value(tables)
 cloudpickle.register_pickle_by_value(dlrm)
 cloudpickle.register_pickle_by_value(workerloss)
+cloudpickle.register_pickle_by_value(replication)
 
 
 #: A custom resource of the head node only (the "server node"), and one of the

@@ -107,7 +107,10 @@ def test_asha_stopped_trials_leave_no_shard_or_placement_group(ray_cluster, stor
         storage,
         "asha",
         {
+            # Async with replicas: a stopped trial takes its shards' replicas along too.
             "strategy": "ps",
+            "mode": "async",
+            "shard_replicas": 1,
             "quality": tune.grid_search([2.0, 1.0]),
             "lr": 0.05,
             "iterations": 6,
@@ -119,7 +122,8 @@ def test_asha_stopped_trials_leave_no_shard_or_placement_group(ray_cluster, stor
     assert not results.errors
     iterations = {r.config["quality"]: r.metrics["training_iteration"] for r in results}
     assert iterations == {2.0: 6, 1.0: 1}, iterations
-    # The stopped controllers took their shards along; the reapers removed the worker
+    # The stopped controllers took their shards and replicas along (both count as
+    # shards); the reapers removed the worker
     # placement groups that Ray Train's own cleaner cannot see without a dashboard.
     assert loops.wait_until(lambda: loops.live_shards() == 0)
     assert loops.wait_until(lambda: loops.live_placement_groups() == 0)

@@ -64,6 +64,8 @@ def timeline_loop(config: dict[str, Any]) -> None:
                 _kill_once(config)
             if step == config.get("raise_step"):
                 _raise_once(config, rank)
+            if rank == 0 and step == config.get("name_shard_node_step"):
+                _name_shard_node_once(config)
             idx = torch.randint(0, len(xtr), (32,), generator=g)
             opt.zero_grad()
             nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
@@ -104,6 +106,14 @@ def _kill_once(config: dict[str, Any]) -> None:
     if not marker.exists():
         marker.write_text(str(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _name_shard_node_once(config: dict[str, Any]) -> None:
+    """Writes shard 0's node id (once) for a benchmark that removes that node."""
+    marker = Path(config["out_dir"]) / "victim"
+    ps = get_ps_context()
+    if ps is not None and not marker.exists():
+        marker.write_text(json.dumps({"node_id": ps.server_node_ids[0], "t": time.time()}))
 
 
 def _raise_once(config: dict[str, Any], rank: int) -> None:

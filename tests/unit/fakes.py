@@ -186,6 +186,12 @@ class FakeTransport:
     def silent(self, shards, timeout_s):
         return [s for s in shards if s in self.silent_shards]
 
+    def guard(self, shard, handle, resend):
+        return handle
+
+    def moved(self, shard):
+        return False
+
     def close(self) -> None:
         pass
 

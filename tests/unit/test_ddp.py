@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ray_ps_plugin import _ddp, _runtime
+from ray_ps_plugin import _ddp, _optim_hooks, _runtime
 from ray_ps_plugin._param.shard import ParamShard
 from ray_ps_plugin._sync.shard import SumShard
 from tests.unit.fakes import FakeTransport, Settings, setup_for
@@ -35,7 +35,9 @@ def ps_run(request, process_group, loop, monkeypatch):
     transport = FakeTransport(loop, [shard])
     monkeypatch.setattr(_runtime, "_RUN", _runtime.RunInfo(settings, [object()], ["node"]))
     monkeypatch.setattr(_runtime, "client_setup", lambda m, info: setup_for(m, 0, 1, 1, settings))
-    monkeypatch.setattr(_ddp, "RayTransport", lambda servers, timeout_s, direct=None: transport)
+    monkeypatch.setattr(
+        _ddp, "RayTransport", lambda servers, timeout_s, direct=None, replicas=(): transport
+    )
     yield mode, transport
     _runtime.close_clients()
 
@@ -50,12 +52,12 @@ def prepared(ps_run):
 
 def _step(model):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    _runtime.ensure_optimizer_hooks()
+    _optim_hooks.ensure_optimizer_hooks()
     try:
         model(torch.randn(3, 4)).sum().backward()
         opt.step()
     finally:
-        _runtime.remove_optimizer_hooks()
+        _optim_hooks.remove_optimizer_hooks()
 
 
 def test_deepcopy_is_usable_and_never_reaches_the_shards(prepared):
@@ -188,14 +190,14 @@ def test_a_closure_step_runs_before_step_after_backward(ps_run, monkeypatch):
         events.append("backward")
         return loss
 
-    _runtime.ensure_optimizer_hooks()
+    _optim_hooks.ensure_optimizer_hooks()
     try:
         before = model.module.weight.detach().clone()
         for _ in range(2):
             opt.step(closure)
         opt.step(closure=closure)
     finally:
-        _runtime.remove_optimizer_hooks()
+        _optim_hooks.remove_optimizer_hooks()
     assert events == ["before_forward", "backward", "before_step", "after_step"] * 3
     assert not torch.equal(before, model.module.weight)
     assert client.snapshot().steps == 3
@@ -210,12 +212,12 @@ def test_an_optimizer_that_ignores_its_closure_is_a_clear_error(ps_run):
         model = DDP(torch.nn.Linear(4, 2))
     opt = Lazy(model.parameters(), lr=0.1)
     model(torch.randn(3, 4)).sum().backward()
-    _runtime.ensure_optimizer_hooks()
+    _optim_hooks.ensure_optimizer_hooks()
     try:
         with pytest.raises(RuntimeError, match="did not call it"):
             opt.step(lambda: None)
     finally:
-        _runtime.remove_optimizer_hooks()
+        _optim_hooks.remove_optimizer_hooks()
 
 
 def test_a_second_ddp_around_the_same_module(ps_run):

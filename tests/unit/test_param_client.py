@@ -310,11 +310,11 @@ def test_a_worker_has_at_most_one_unconfirmed_push_per_shard(loop, staleness):
 def test_only_optimizers_of_the_model_trigger_a_push(loop):
     """Through the real process-wide optimizer hooks: stepping another model's
     optimizer sends nothing; stepping this model's sends one push per shard."""
-    from ray_ps_plugin import _runtime
+    from ray_ps_plugin import _optim_hooks, _runtime
 
     _, transport, models, clients = _setup(loop, 1, shards=2, staleness=None)
     _runtime.register(clients[0])
-    _runtime.ensure_optimizer_hooks()
+    _optim_hooks.ensure_optimizer_hooks()
     try:
         other = torch.nn.Linear(2, 2)
         other(torch.randn(3, 2)).sum().backward()
@@ -325,7 +325,7 @@ def test_only_optimizers_of_the_model_trigger_a_push(loop):
         mine.step()
         assert [(c[0], c[1]) for c in transport.pushes()] == [("push_pull", 0), ("push_pull", 1)]
     finally:
-        _runtime.remove_optimizer_hooks()
+        _optim_hooks.remove_optimizer_hooks()
         _runtime._CLIENTS.clear()
 
 

@@ -47,7 +47,15 @@ from .recsys import (
 )
 from .resnet18 import resnet_table
 from .results import ROOT, RenderError
-from .step_time import round_ms, step_bytes, step_calls, step_compare, step_ratio, step_time_table
+from .step_time import (
+    replication_table,
+    round_ms,
+    step_bytes,
+    step_calls,
+    step_compare,
+    step_ratio,
+    step_time_table,
+)
 from .straggler import (
     digits_reach,
     digits_table,
@@ -72,6 +80,7 @@ RENDERERS: dict[str, Callable[..., str]] = {
     f.__name__: f
     for f in (
         step_time_table,
+        replication_table,
         step_ratio,
         step_compare,
         round_ms,

@@ -69,3 +69,31 @@ def step_calls() -> str:
     """Remote calls per worker, step and shard of sync PS."""
     calls = read_json("step_time")["calls_per_step_per_shard"]
     return f"**{calls:.2f}** (target ≤ 2: {'met' if calls <= 2 else 'not met'})"
+
+
+def replication_table() -> str:
+    """Each replicated variant's step against the same mode's without replicas
+    (median over rounds of the ratio within a round)."""
+    d = read_json("replication_step_time")
+    rows = []
+    for v in d["median_step_ms"]:
+        if not v.endswith("_replicated"):
+            continue
+        base = v.removesuffix("_replicated")
+        ratio = statistics.median(
+            r[v]["median_step_s"] / r[base]["median_step_s"] for r in d["rounds"]
+        )
+        rows.append(
+            [
+                f"`{base}`",
+                f"{d['median_step_ms'][base]:.1f}",
+                f"{d['median_step_ms'][v]:.1f}",
+                _bold(_x(ratio), ratio <= 1.15),
+            ]
+        )
+    table = _table(
+        ["mode", "median step (ms)", "with shard_replicas=1 (ms)", "ratio (median of rounds)"],
+        rows,
+    )
+    provenance = _provenance("replication_step_time", "step_time", "replication_step_time.json")
+    return provenance + "\n\n" + table

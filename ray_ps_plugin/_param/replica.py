@@ -1,0 +1,189 @@
+"""A shard's state held twice: the primary forwards each change, the replica replays it.
+
+With ``PSConfig(shard_replicas=1)`` every async/ssp shard (the *primary*) has a
+*replica*: a shard actor of the same slice, on another node where there is one. The
+primary forwards every change it makes to its state (the initial parameters, each
+applied update, a reseed, a worker that finishes, leaves or is admitted) and answers
+the worker only once the replica has taken it, so an update a worker saw confirmed
+is held by both (ps-lite's chain replication, with a chain of two).
+
+Order: the primary numbers what it forwards, in the order it applied it, and the
+replica replays in that order (Ray does not order calls to an asyncio actor), so
+the two hold bit-identical parameters, not merely the same sum in another order.
+
+Failover: when the primary dies, each worker's transport confirms the death, tells
+the replica it now serves the slice (:meth:`ReplayOrder.promote`) and sends it the
+calls the dead primary never answered. A replay still waiting for its turn then is
+dropped: it was never confirmed, so its worker sends that update again, and each
+update is applied once by its clock.
+
+A replica that fails or does not answer within ``timeout_s`` is killed and the
+primary goes on alone (logged): a worker must never fail over to a replica that
+missed updates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from ray_ps_plugin._errors import ShardProtocolError
+
+__all__ = ["REPLAYED", "ReplayOrder", "ReplicaLink", "Replicated"]
+
+logger = logging.getLogger(__name__)
+
+#: The shard methods a primary forwards and a replica replays.
+REPLAYED = frozenset({"init", "mirror", "reseed", "finish", "leave", "admit"})
+
+
+async def _result(ref: Any) -> Any:
+    return await ref
+
+
+class ReplicaLink:
+    """The primary's side: forwards changes in order, confirms them before answering.
+
+    Args:
+        shard_index: The shard's index, for messages.
+        timeout_s: How long a forwarded change may take to be confirmed.
+    """
+
+    def __init__(self, shard_index: int, timeout_s: float) -> None:
+        self.shard_index = shard_index
+        self.timeout_s = timeout_s
+        self.replica: Any = None
+        self._seq = 0
+        self._last: Any = None  # the last forward submitted
+
+    def attach(self, replica: Any) -> None:
+        """From now on every change is forwarded to ``replica`` (an actor handle)."""
+        self.replica = replica
+
+    def forward(self, method: str, *args: Any) -> None:
+        """Submits ``method(*args)`` to the replica, numbered after the last one.
+
+        Called right where the change is made, with no ``await`` in between, so the
+        numbers follow the order the primary applied the changes in. Ray serialises
+        the arguments here: a shared-memory view may be passed.
+        """
+        if self.replica is None:
+            return
+        assert method in REPLAYED, method
+        self._seq += 1
+        self._last = self.replica.replay.remote(self._seq, method, args)
+
+    async def confirm(self) -> None:
+        """Waits until the replica holds every change forwarded so far."""
+        last = self._last
+        if last is None or self.replica is None:
+            return
+        try:
+            await asyncio.wait_for(_result(last), self.timeout_s)
+        except Exception as e:
+            self._drop(e)
+
+    def _drop(self, error: BaseException) -> None:
+        replica, self.replica, self._last = self.replica, None, None
+        if replica is None:
+            return
+        logger.warning(
+            "shard %d: its replica failed or did not confirm an update within %gs "
+            "(%r); it goes on without one, so its node's loss would lose its slice.",
+            self.shard_index,
+            self.timeout_s,
+            error,
+        )
+        # A live replica that missed an update must not take over later.
+        try:
+            import ray
+
+            ray.kill(replica, no_restart=True)
+        except Exception:
+            logger.debug("shard %d: killing its replica", self.shard_index, exc_info=True)
+
+
+class ReplayOrder:
+    """The replica's side: lets forwarded changes through in the primary's order.
+
+    Args:
+        shard_index: The shard's index, for messages.
+        timeout_s: How long a change waits for the ones numbered before it.
+    """
+
+    def __init__(self, shard_index: int, timeout_s: float) -> None:
+        self.shard_index = shard_index
+        self.timeout_s = timeout_s
+        self.promoted = False
+        self._applied = 0
+        self._turn = asyncio.Condition()
+
+    async def turn(self, seq: int) -> bool:
+        """Waits until every change numbered before ``seq`` is replayed; False when
+        this replica was promoted meanwhile (the change is dropped: see the module
+        docstring).
+
+        Raises:
+            TimeoutError: An earlier change did not arrive within ``timeout_s``.
+        """
+        async with self._turn:
+            await asyncio.wait_for(
+                self._turn.wait_for(lambda: self.promoted or self._applied == seq - 1),
+                self.timeout_s,
+            )
+        return not self.promoted
+
+    async def done(self, seq: int) -> None:
+        """Change ``seq`` is replayed: the next one may go."""
+        async with self._turn:
+            self._applied = seq
+            self._turn.notify_all()
+
+    async def promote(self) -> bool:
+        """This replica serves its slice from now on (its primary is dead); returns
+        whether it already did."""
+        async with self._turn:
+            already, self.promoted = self.promoted, True
+            self._turn.notify_all()
+        if not already:
+            logger.warning(
+                "shard %d: its primary is lost; its replica serves the slice now.",
+                self.shard_index,
+            )
+        return already
+
+
+class Replicated:
+    """The replication methods of a shard actor (mixed into the async/ssp shard).
+
+    A shard is a primary (:meth:`set_replica` gave it a replica), a replica (its
+    primary calls :meth:`replay`), or alone; a promoted replica serves as a shard
+    alone.
+    """
+
+    _link: ReplicaLink
+    _order: ReplayOrder
+
+    def set_replica(self, replica: Any) -> None:
+        """Makes this shard a primary: every change is held by ``replica`` too."""
+        self._link.attach(replica)
+
+    async def promote(self) -> bool:
+        """Makes this replica serve its slice (see :meth:`ReplayOrder.promote`)."""
+        return await self._order.promote()
+
+    async def replay(self, seq: int, method: str, args: tuple[Any, ...]) -> None:
+        """Replays change ``seq`` of the primary, after every change before it.
+
+        Raises:
+            ShardProtocolError: ``method`` is not one a primary forwards.
+        """
+        if method not in REPLAYED:
+            raise ShardProtocolError(f"a replica replays {sorted(REPLAYED)}, not {method!r}.")
+        if not await self._order.turn(seq):
+            return
+        try:
+            await getattr(self, method)(*args)
+        finally:
+            await self._order.done(seq)

@@ -1,0 +1,117 @@
+"""A shard (or its node) lost mid-run with ``PSConfig(shard_replicas=1)``.
+
+Each worker trains two prepared models side by side, as a user with several models
+would: the digits MLP (SGD with momentum; its accuracy says whether training went
+on well) and a *probe* whose gradient is a constant (a ``Linear`` from zeros, input
+ones, SGD at ``PROBE_LR``). The probe's every delta is exactly ``-PROBE_LR`` and
+every value it passes through is a multiple of ``PROBE_LR / 2`` (exact in fp32), so
+its final weight is ``-steps * PROBE_LR`` exactly if and only if every update of
+every worker was applied once: a lost or doubled update shows as a different value.
+
+At ``kill_step`` rank 0 writes where shard 0's primary runs (``kill_marker``: its
+node id and process id) for the test to kill; every worker logs one line per step
+(the wall time), so the test can tell how long no worker stepped. Shipped to
+workers by value.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+import ray.train
+import ray.train.collective
+import ray.train.torch
+import torch
+import torch.nn as nn
+
+from ray_ps_plugin import get_ps_context
+from tests.integration import digits
+
+PROBE_LR = 2.0**-6
+PROBE_SIZE = 64
+
+
+def two_models_loop(config: dict[str, Any]) -> None:
+    """``steps`` steps of the digits MLP and the probe per worker (see the module)."""
+    ctx = ray.train.get_context()
+    rank = ctx.get_world_rank()
+    out_dir = Path(config["out_dir"])
+    xtr, ytr, _, _ = digits.load_digits_split()
+    torch.manual_seed(config.get("seed", 0))
+    model = ray.train.torch.prepare_model(digits.make_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    probe = nn.Linear(PROBE_SIZE, 1, bias=False)
+    nn.init.zeros_(probe.weight)
+    probe = ray.train.torch.prepare_model(probe)
+    probe_opt = torch.optim.SGD(probe.parameters(), lr=PROBE_LR)
+    ones = torch.ones(1, PROBE_SIZE)
+    g = torch.Generator().manual_seed(1000 * rank + config.get("seed", 0))
+    with (out_dir / f"timeline_rank{rank}.jsonl").open("a") as log:
+        for step in range(config["steps"]):
+            if rank == 0 and step == config.get("kill_step"):
+                _name_the_victim(out_dir / "kill_marker")
+            idx = torch.randint(0, len(xtr), (32,), generator=g)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
+            opt.step()
+            probe_opt.zero_grad()
+            probe(ones).sum().backward()
+            probe_opt.step()
+            log.write(json.dumps({"step": step, "t": time.time()}) + "\n")
+            log.flush()
+            time.sleep(config.get("sleep_s", 0.0))
+    ps = get_ps_context()
+    assert ps is not None
+    ps.flush()
+    ray.train.collective.barrier()
+    with tempfile.TemporaryDirectory() as d:
+        checkpoint = None
+        if rank == 0:
+            state = {"model": model.module.state_dict(), "probe": probe.module.state_dict()}
+            torch.save(state, Path(d) / "state.pt")
+            checkpoint = ray.train.Checkpoint.from_directory(d)
+        ray.train.report(
+            {"replica_node_ids": list(ps.replica_node_ids), "pid": os.getpid()},
+            checkpoint=checkpoint,
+        )
+
+
+def _name_the_victim(marker: Path) -> None:
+    """Writes shard 0's primary's node and process for the test, then waits a
+    little so the kill lands while the workers train."""
+    from ray_ps_plugin import _runtime
+
+    ps = get_ps_context()
+    assert ps is not None
+    info = ray.get(_runtime.current_run().servers[0].ready.remote(), timeout=30)
+    marker.write_text(json.dumps({"node_id": ps.server_node_ids[0], "pid": info["pid"]}))
+
+
+def final_state(result: ray.train.Result) -> dict[str, Any]:
+    """The digits model's test accuracy and the probe's final weight."""
+    _, _, xte, yte = digits.load_digits_split()
+    model = digits.make_model()
+    with result.checkpoint.as_directory() as d:
+        state = torch.load(Path(d) / "state.pt", weights_only=True)
+    model.load_state_dict(state["model"])
+    with torch.no_grad():
+        acc = float((model(xte).argmax(1) == yte).float().mean())
+    return {"accuracy": acc, "probe": state["probe"]["weight"]}
+
+
+def longest_gap_s(out_dir: str | Path) -> float:
+    """The longest time no worker took a step, over the run."""
+    times = sorted(
+        json.loads(line)["t"]
+        for path in Path(out_dir).glob("timeline_rank*.jsonl")
+        for line in path.read_text().splitlines()
+        if line
+    )
+    return max((b - a for a, b in itertools.pairwise(times)), default=0.0)

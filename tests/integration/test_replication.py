@@ -1,0 +1,146 @@
+"""Every shard's state held twice (``PSConfig(shard_replicas=1)``): a shard's process,
+or the whole node its primary runs on, is killed mid-run in async, and training goes
+on with its replica, without a restart (``max_failures=0``: any restart would fail
+the run), losing no update (the probe model's weight is exact) and training as well
+as an uninterrupted run (digits accuracy)."""
+
+import json
+import os
+import signal
+import threading
+
+import pytest
+import torch
+from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
+
+from ray_ps_plugin import PSConfig, PSTrainer
+from tests.integration import loops, replication
+from tests.integration.conftest import WORKER_RESOURCE
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+STEPS = 240
+KILL_STEP = 80
+SLEEP_S = 0.02
+#: Resource of the two server nodes this module adds (no other test asks for it).
+REPLICATED = "ps_replicated"
+
+
+def _fit(storage, name, scaling, **ps):
+    return PSTrainer(
+        replication.two_models_loop,
+        train_loop_config={
+            "steps": STEPS,
+            "kill_step": KILL_STEP,
+            "sleep_s": SLEEP_S,
+            "out_dir": str(storage),
+        },
+        ps_config=PSConfig(mode="async", shard_replicas=1, ps_timeout_s=60, **ps),
+        scaling_config=scaling,
+        run_config=RunConfig(storage_path=str(storage), name=name, failure_config=FailureConfig(0)),
+    ).fit()
+
+
+def _kill_when_named(marker, kill) -> threading.Thread:
+    """A thread that waits for the loop to name shard 0's primary, then kills it."""
+
+    def run() -> None:
+        if loops.wait_until(marker.exists, timeout_s=240):
+            kill(json.loads(marker.read_text()))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def _assert_no_update_lost(state) -> None:
+    expected = torch.full((1, replication.PROBE_SIZE), -STEPS * replication.PROBE_LR)
+    assert torch.equal(state["probe"], expected), state["probe"][0, :4]
+
+
+def _no_leaks() -> None:
+    assert loops.wait_until(lambda: loops.live_shards() == 0)
+    assert loops.wait_until(lambda: loops.live_placement_groups() == 0)
+
+
+def test_a_killed_shard_process_is_replaced_by_its_replica_without_a_restart(tmp_path):
+    """Both workers on one node: shards in their bundles, each replica in the other
+    worker's bundle. Shard 0's process is SIGKILLed; the workers' next calls find it
+    dead and go on with its replica."""
+    marker = tmp_path / "kill_marker"
+    thread = _kill_when_named(marker, lambda victim: os.kill(victim["pid"], signal.SIGKILL))
+    result = _fit(
+        tmp_path,
+        "process",
+        ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
+    )
+    thread.join(10)
+    assert marker.exists()
+    state = replication.final_state(result)
+    _assert_no_update_lost(state)
+    assert state["accuracy"] > 0.9
+    _no_leaks()
+
+
+def test_a_failing_run_with_replicas_leaves_no_shard_or_replica(tmp_path):
+    with pytest.raises(TrainingFailedError, match="user code failed on purpose"):
+        PSTrainer(
+            loops.failing_loop,
+            train_loop_config={},
+            ps_config=PSConfig(mode="async", shard_replicas=1),
+            scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
+            run_config=RunConfig(
+                storage_path=str(tmp_path), name="fail", failure_config=FailureConfig(0)
+            ),
+        ).fit()
+    _no_leaks()
+
+
+@pytest.fixture(scope="module")
+def server_nodes(ray_cluster):
+    """Two fresh nodes carrying ``REPLICATED``: one shard's primary and the other's
+    replica on each. Removed at the end (the one the test kills, before)."""
+    nodes = [ray_cluster.add_node(num_cpus=1, resources={REPLICATED: 2}) for _ in range(2)]
+    ray_cluster.wait_for_nodes()
+    yield ray_cluster, nodes
+    for node in nodes:
+        if node in ray_cluster.worker_nodes:  # not the one the test removed
+            ray_cluster.remove_node(node)
+
+
+#: Both workers on the worker node (conftest); the shards on the two server nodes.
+ON_WORKER_NODE = ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5, WORKER_RESOURCE: 1})
+SERVERS = {"server_resources": {REPLICATED: 1}, "num_servers": 2}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(server_nodes, tmp_path_factory):
+    path = tmp_path_factory.mktemp("uninterrupted")
+    return replication.final_state(_fit(path, "uninterrupted", ON_WORKER_NODE, **SERVERS))
+
+
+def test_a_lost_server_node_costs_no_update_and_no_restart(server_nodes, uninterrupted, tmp_path):
+    """Shard 0's primary's node is removed (every process on it killed): shard 0
+    goes on with its replica on the other server node, shard 1 without its replica
+    (it was on the lost node). The run ends without a restart, every update applied
+    once, within 1 point of the uninterrupted run's accuracy."""
+    cluster, nodes = server_nodes
+    killed = []
+
+    def remove(victim) -> None:
+        for node in nodes:
+            if node.node_id == victim["node_id"]:
+                cluster.remove_node(node, allow_graceful=False)
+                killed.append(node.node_id)
+
+    thread = _kill_when_named(tmp_path / "kill_marker", remove)
+    result = _fit(tmp_path, "node_lost", ON_WORKER_NODE, **SERVERS)
+    thread.join(10)
+    assert len(killed) == 1
+    replica_nodes = result.metrics["replica_node_ids"]
+    assert killed[0] not in replica_nodes[:1]  # shard 0's replica was elsewhere
+    state = replication.final_state(result)
+    _assert_no_update_lost(state)
+    _assert_no_update_lost(uninterrupted)
+    assert abs(state["accuracy"] - uninterrupted["accuracy"]) <= 0.01 + 1e-9
+    _no_leaks()

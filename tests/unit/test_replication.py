@@ -1,0 +1,253 @@
+"""A shard's state held twice: the primary forwards, the replica replays in the
+primary's order, an update is confirmed only once both hold it, a promoted replica
+drops the dead primary's unconfirmed replays, and a worker's calls fail over to the
+replica only when the primary is confirmed dead. Real shard objects on one event
+loop; the replica's actor handle is faked."""
+
+import asyncio
+import concurrent.futures
+import random
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from ray_ps_plugin import PSConfig
+from ray_ps_plugin import _failover as failover_module
+from ray_ps_plugin._failover import Failover
+from ray_ps_plugin._param.shard import ParamShard
+
+
+class _Method:
+    def __init__(self, target, name, delay, gate):
+        self._target, self._name, self._delay, self._gate = target, name, delay, gate
+
+    def remote(self, *args):
+        args = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
+
+        async def run():
+            await asyncio.sleep(self._delay())
+            await self._gate.wait()
+            return await getattr(self._target, self._name)(*args)
+
+        return asyncio.ensure_future(run())
+
+
+class FakeReplicaHandle:
+    """An actor handle whose calls run on the same loop, each after a random delay
+    (Ray does not order calls to an asyncio actor) and only while ``gate`` is set."""
+
+    def __init__(self, target, jitter_s=0.0):
+        self.target = target
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self._rng = random.Random(0)
+        self._jitter_s = jitter_s
+
+    def __getattr__(self, name):
+        return _Method(self.target, name, lambda: self._rng.random() * self._jitter_s, self.gate)
+
+
+def _pair(staleness=None, timeout_s=5.0, jitter_s=0.002):
+    primary = ParamShard(0, 2, staleness, timeout_s)
+    replica = ParamShard(0, 2, staleness, timeout_s)
+    handle = FakeReplicaHandle(replica, jitter_s)
+    primary.set_replica(handle)
+    return primary, replica, handle
+
+
+def test_the_replica_replays_every_update_in_the_primarys_order_bit_for_bit():
+    async def run():
+        primary, replica, _ = _pair()
+        assert await primary.init(0, np.zeros(1000, np.float32))
+        rng = np.random.default_rng(0)
+
+        async def worker(rank):
+            for clock in range(1, 41):
+                delta = rng.standard_normal(1000).astype(np.float32)
+                await primary.push_pull(0, rank, clock, delta)
+
+        await asyncio.gather(worker(0), worker(1))
+        return primary, replica
+
+    primary, replica = asyncio.run(run())
+    p, r = primary.export_state()["models"][0], replica.export_state()["models"][0]
+    assert p["clocks"] == r["clocks"] == [40, 40]
+    # Same additions in the same order: identical bits, not merely close.
+    assert np.array_equal(p["params"], r["params"])
+
+
+def test_an_update_is_confirmed_only_once_the_replica_holds_it():
+    async def run():
+        primary, replica, handle = _pair(jitter_s=0.0)
+        await primary.init(0, np.zeros(4, np.float32))
+        handle.gate.clear()  # the replica takes nothing for now
+        push = asyncio.ensure_future(primary.push_pull(0, 0, 1, np.ones(4, np.float32)))
+        await asyncio.sleep(0.05)
+        assert not push.done()  # applied on the primary, not yet confirmed
+        handle.gate.set()
+        await asyncio.wait_for(push, 5)
+        return replica.export_state()["models"][0]
+
+    held = asyncio.run(run())
+    assert held["clocks"] == [1, 0]
+    assert np.array_equal(held["params"], np.full(4, 0.5, np.float32))
+
+
+def test_a_promoted_replica_drops_unconfirmed_replays_and_takes_the_resent_update():
+    """The primary died after forwarding change 2 while change 1 never arrived:
+    change 2 waits for its turn, the promotion drops it (never confirmed), and the
+    worker's resent push applies it once."""
+
+    async def run():
+        replica = ParamShard(0, 2, None, 5.0)
+        await replica.replay(1, "init", (0, np.zeros(4, np.float32), 0))
+        stuck = asyncio.ensure_future(
+            replica.replay(3, "mirror", (0, 0, 1, np.ones(4, np.float32)))
+        )
+        await asyncio.sleep(0.05)
+        assert not stuck.done()  # change 2 is missing: change 3 waits
+        assert not await replica.promote()
+        await asyncio.wait_for(stuck, 5)  # dropped, not applied
+        assert replica.export_state()["models"][0]["clocks"] == [0, 0]
+        await replica.push_pull(0, 0, 1, np.ones(4, np.float32))  # the worker resends
+        await replica.push_pull(0, 0, 1, np.ones(4, np.float32))  # a repeat: ignored
+        return replica.export_state()["models"][0]
+
+    held = asyncio.run(run())
+    assert held["clocks"] == [1, 0]
+    assert np.array_equal(held["params"], np.full(4, 0.5, np.float32))
+
+
+def test_a_replica_that_fails_is_dropped_and_the_primary_goes_on(caplog):
+    class Failing:
+        def __getattr__(self, name):
+            class M:
+                @staticmethod
+                def remote(*args):
+                    future = asyncio.get_running_loop().create_future()
+                    future.set_exception(RuntimeError("replica lost"))
+                    return future
+
+            return M()
+
+    async def run():
+        primary = ParamShard(0, 2, None, 5.0)
+        primary.set_replica(Failing())
+        await primary.init(0, np.zeros(4, np.float32))
+        reply = await primary.push_pull(0, 0, 1, np.ones(4, np.float32))
+        assert primary._link.replica is None
+        return reply
+
+    reply = asyncio.run(run())
+    assert reply.clocks == (1, 0)
+    assert "goes on without one" in caplog.text
+
+
+def test_a_replica_replays_only_what_a_primary_forwards():
+    with pytest.raises(Exception, match="replays"):
+        asyncio.run(ParamShard(0, 1, None, 1.0).replay(1, "export_state", ()))
+
+
+# --- the worker's failover ---------------------------------------------------------
+class _Ref:
+    def __init__(self, future):
+        self._future = future
+
+    def future(self):
+        return self._future
+
+
+class FakeActor:
+    """A handle whose calls answer ``result`` or raise ``error`` at once."""
+
+    def __init__(self, result=None, error=None):
+        self.result, self.error, self.calls = result, error, []
+
+    def __getattr__(self, name):
+        actor = self
+
+        class M:
+            @staticmethod
+            def remote(*args):
+                actor.calls.append(name)
+                future = concurrent.futures.Future()
+                if actor.error is not None and name != "promote":
+                    future.set_exception(actor.error)
+                else:
+                    future.set_result(actor.result)
+                return future if name == "promote" else _Ref(future)
+
+        return M()
+
+
+def _failover(primary, replica, monkeypatch, dead: bool):
+    monkeypatch.setattr(failover_module, "_dead", lambda actor, error, timeout_s: dead)
+    monkeypatch.setattr(ray, "get", lambda ref, timeout=None: ref.result(timeout))
+    servers = [primary]
+    return servers, Failover(servers, [replica], 5.0)
+
+
+def test_a_call_to_a_dead_primary_is_made_again_on_its_promoted_replica(monkeypatch):
+    primary = FakeActor(error=ray.exceptions.ActorDiedError())
+    replica = FakeActor(result="from the replica")
+    servers, failover = _failover(primary, replica, monkeypatch, dead=True)
+
+    def call():
+        return servers[0].push_pull.remote(1).future()
+
+    assert failover.guard(0, call(), call).result(5) == "from the replica"
+    assert servers[0] is replica and failover.moved(0)
+    assert replica.calls == ["promote", "push_pull"]
+    # Later calls go to the replica unguarded: its own failure is final.
+    assert failover.guard(0, call(), call).result(5) == "from the replica"
+
+
+def test_a_failed_call_to_a_live_primary_fails_and_promotes_nothing(monkeypatch):
+    """A broken connection is not a death: a replica serving beside a live
+    primary would diverge from it."""
+    primary = FakeActor(error=ConnectionError("reset"))
+    replica = FakeActor(result="from the replica")
+    servers, failover = _failover(primary, replica, monkeypatch, dead=False)
+
+    def call():
+        return servers[0].push_pull.remote(1).future()
+
+    with pytest.raises(ConnectionError):
+        failover.guard(0, call(), call).result(5)
+    assert servers[0] is primary and not failover.moved(0) and replica.calls == []
+
+
+@pytest.mark.parametrize(
+    ("fields", "error", "match"),
+    [
+        ({"mode": "async", "shard_replicas": 2}, ValueError, "one replica"),
+        ({"mode": "async", "shard_replicas": -1}, ValueError, ">= 0"),
+        ({"mode": "async", "shard_replicas": True}, TypeError, "int"),
+        ({"mode": "sync", "shard_replicas": 1}, ValueError, "'async', 'ssp'"),
+        ({"mode": "diloco", "shard_replicas": 1}, ValueError, "mode='diloco'"),
+    ],
+)
+def test_shard_replicas_is_validated_naming_the_field(fields, error, match):
+    with pytest.raises(error, match=match):
+        PSConfig(**fields)
+    assert PSConfig(mode="ssp", staleness=2, shard_replicas=1).shard_replicas == 1
+
+
+def test_a_replicated_update_is_widened_like_the_master():
+    """A bf16 model's update reaches the replica in the fp32 master's dtype, so
+    both add the same values."""
+
+    async def run():
+        primary, replica, _ = _pair(jitter_s=0.0)
+        bf16 = torch.zeros(8, dtype=torch.bfloat16).view(torch.int16).numpy()
+        await primary.init(0, bf16)
+        delta = torch.full((8,), 0.1, dtype=torch.bfloat16).view(torch.int16).numpy()
+        await primary.push_pull(0, 1, 1, delta)
+        return primary, replica
+
+    primary, replica = asyncio.run(run())
+    p, r = primary.export_state()["models"][0], replica.export_state()["models"][0]
+    assert p["params"].dtype == r["params"].dtype == np.float32
+    assert np.array_equal(p["params"], r["params"])
