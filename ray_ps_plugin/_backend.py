@@ -9,6 +9,7 @@ torn down. The controller owns the shard actors, so they die with it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Any
 
@@ -18,6 +19,7 @@ from ray.train.torch import TorchConfig
 
 from ray_ps_plugin import _runtime
 from ray_ps_plugin._failover import Failover
+from ray_ps_plugin._keeper import ReplicaKeeper
 from ray_ps_plugin._modes import spec_of
 from ray_ps_plugin._placement import (
     BackendSettings,
@@ -56,6 +58,8 @@ class PSBackend(TorchBackend):
         self._replicas: list[Any] = []  # PSConfig.shard_replicas: each shard's replica
         # Made with the shards: the backend is pickled to the controller first.
         self._failover: Failover | None = None
+        self._keeper: ReplicaKeeper | None = None
+        self._made: list[Any] = []  # replicas the keepers made, killed with the shards
         self._info: _runtime.RunInfo | None = None
         # After a stop that is not the run's end: each shard's exported state (object
         # refs owned by this controller), for the next group's shards.
@@ -127,6 +131,15 @@ class PSBackend(TorchBackend):
         )
         install = worker_group.execute_async(_runtime.install_run, self._info)
         ray.get(install, timeout=cfg.ps_timeout_s)
+        if self._replicas:
+            self._keeper = ReplicaKeeper(
+                self._failover,
+                list(zip(server_nodes, replica_nodes)),
+                functools.partial(self._replica_away, worker_group, cfg),
+                self._tell_workers,
+                cfg.ps_timeout_s,
+            )
+            self._keeper.start()
         logger.info(
             "Started %d parameter-server shard(s) for %d workers%s.",
             len(placements),
@@ -135,9 +148,14 @@ class PSBackend(TorchBackend):
         )
 
     def _start_shards(
-        self, placements: list[Any], num_workers: int, cfg: BackendSettings
+        self,
+        placements: list[Any],
+        num_workers: int,
+        cfg: BackendSettings,
+        first: int = 0,
     ) -> list[Any]:
-        """Starts one shard actor of the run's mode per placement (not waiting)."""
+        """Starts one shard actor of the run's mode per placement, shard ``first``
+        onwards (not waiting)."""
         spec = spec_of(cfg)
         actor_cls: Any = ray.remote(self.shard_class(cfg))
         args = spec.shard_args(cfg)
@@ -146,9 +164,25 @@ class PSBackend(TorchBackend):
                 **placement.options(),
                 max_restarts=0,
                 max_concurrency=spec.max_concurrency,
-            ).remote(i, num_workers, *args)
+            ).remote(first + i, num_workers, *args)
             for i, placement in enumerate(placements)
         ]
+
+    def _replica_away(self, worker_group: Any, cfg: BackendSettings, shard: int, node: str) -> Any:
+        """Starts a new replica of ``shard`` away from ``node`` (see ReplicaKeeper)."""
+        placement = place_replicas(worker_group, cfg, [node])[0]
+        return self._start_shards([placement], len(worker_group), cfg, first=shard)[0]
+
+    def _tell_workers(self, shard: int, primary: Any, replica: Any) -> None:
+        """Every worker's calls to ``shard`` go to ``primary``, failing over to
+        ``replica`` (a worker that cannot be reached learns it when it is replaced)."""
+        refs = self._group.execute_async(_runtime.set_shard, shard, primary, replica)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=30)
+        for ref in ready:
+            try:
+                ray.get(ref, timeout=0)
+            except Exception as e:
+                logger.warning("A worker did not take shard %d's new replica: %s", shard, e)
 
     def _ready(self, shards: list[Any], cfg: BackendSettings) -> list[str]:
         """Waits (bounded) until ``shards`` are up; returns their node ids.
@@ -172,7 +206,7 @@ class PSBackend(TorchBackend):
         failover = self._failover
         if failover is None:
             return
-        for i in range(len(self._replicas)):
+        for i in range(failover.num_shards):
             try:
                 failover.take_over_if_dead(i)
             except Exception as e:
@@ -183,6 +217,8 @@ class PSBackend(TorchBackend):
         if is_replica_group(worker_group):
             self._release(worker_group, backend_config, cfg)
             return
+        # No new replica while the shards' state is exported and they stop.
+        self._made += self._stop_keeper()
         try:
             ray.get(
                 worker_group.execute_async(_runtime.uninstall_run),
@@ -243,7 +279,11 @@ class PSBackend(TorchBackend):
             kill_workers(self._group)
             return
         assert self._info is not None
-        info = dataclasses.replace(self._info, joined=True, servers=list(self._servers))
+        failover = self._failover
+        replicas = [failover.replica(i) for i in range(failover.num_shards)] if failover else []
+        info = dataclasses.replace(
+            self._info, joined=True, servers=list(self._servers), replicas=replicas
+        )
         ray.get(group.execute_async(_runtime.install_run, info), timeout=cfg.ps_timeout_s)
         logger.info("Rank(s) %s joined the live parameter-server shards.", ranks)
 
@@ -262,10 +302,20 @@ class PSBackend(TorchBackend):
         except Exception as e:  # the worker is dead; its process group goes with it
             logger.debug("shutting down rank(s) %s: %s", ranks, e)
 
+    def _stop_keeper(self) -> list[Any]:
+        """Stops the replica keeper (bounded); returns the replicas it made."""
+        keeper, self._keeper = self._keeper, None
+        if keeper is None:
+            return []
+        keeper.stop()
+        return keeper.made
+
     def _stop_servers(self) -> None:
         # ray.kill returns at once (no wait to bound); the actors' bundles are
         # released with the workers' placement group.
-        servers, self._servers = self._servers + self._replicas, []
+        self._made += self._stop_keeper()
+        servers, self._servers = self._servers + self._replicas + self._made, []
+        self._made = []
         self._replicas = []
         for s in servers:
             ray.kill(s, no_restart=True)

@@ -40,22 +40,42 @@ class Failover:
 
     def __init__(self, servers: list[Any], replicas: Sequence[Any], timeout_s: float) -> None:
         self._servers = servers
-        self._replicas = dict(enumerate(replicas))
+        self._first = list(servers)  # the shards the worker attached shared memory to
+        self._replicas = {s: r for s, r in enumerate(replicas) if r is not None}
         self._timeout_s = timeout_s
-        self._moved: set[int] = set()
         self._lock = threading.Lock()
 
     def moved(self, shard: int) -> bool:
-        """Whether ``shard``'s replica serves it now."""
-        return shard in self._moved
+        """Whether another actor than the first serves ``shard`` now."""
+        return self._servers[shard] is not self._first[shard]
+
+    @property
+    def num_shards(self) -> int:
+        return len(self._servers)
+
+    def server(self, shard: int) -> Any:
+        """The actor that serves ``shard`` now."""
+        return self._servers[shard]
+
+    def replica(self, shard: int) -> Any:
+        """``shard``'s replica, or ``None`` (never had one, or it was promoted)."""
+        return self._replicas.get(shard)
+
+    def set_shard(self, shard: int, primary: Any, replica: Any) -> None:
+        """Who serves ``shard`` now and its new replica (the controller made it)."""
+        with self._lock:
+            self._servers[shard] = primary
+            self._replicas[shard] = replica
 
     def guard(
         self, shard: int, handle: concurrent.futures.Future[Any], resend: Callable[[], Any]
     ) -> concurrent.futures.Future[Any]:
-        """``handle``, or, should ``shard`` die with a replica to take over, the
-        result of ``resend()`` (a new handle) made once the replica serves it."""
-        if shard not in self._replicas or shard in self._moved:
-            return handle  # a failure on the replica itself is final
+        """``handle`` (a call just made to ``shard``'s current actor), or, should that
+        actor die with a replica to take over, the result of ``resend()`` (a new
+        handle) made once the replica serves it."""
+        if shard not in self._replicas:
+            return handle  # no replica: a failure is final
+        target = self._servers[shard]
         out: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
         def done(h: concurrent.futures.Future[Any]) -> None:
@@ -63,27 +83,28 @@ class Failover:
             if error is None:
                 out.set_result(h.result())
             else:  # not on Ray's callback thread: a failover blocks on Ray calls
-                _pool().submit(self._fail_over, shard, error, resend, out)
+                _pool().submit(self._fail_over, shard, target, error, resend, out)
 
         handle.add_done_callback(done)
         return out
 
     def take_over_if_dead(self, shard: int) -> bool:
-        """Promotes ``shard``'s replica if a ping finds its primary dead; whether
-        the replica serves it now."""
-        return self._take_over(shard, RuntimeError("checking"))
+        """Promotes ``shard``'s replica if a ping finds its actor dead; whether
+        another actor serves it now."""
+        return self._take_over(shard, self._servers[shard], RuntimeError("checking"))
 
     def _fail_over(
         self,
         shard: int,
+        target: Any,
         error: BaseException,
         resend: Callable[[], Any],
         out: concurrent.futures.Future[Any],
     ) -> None:
-        """Settles ``out`` with ``resend()``'s result once the replica serves
-        ``shard``, or with ``error`` when the primary is not confirmed dead."""
+        """Settles ``out`` with ``resend()``'s result once another actor serves
+        ``shard``, or with ``error`` when ``target`` is not confirmed dead."""
         try:
-            if not self._take_over(shard, error):
+            if not self._take_over(shard, target, error):
                 out.set_exception(error)
                 return
             again = resend()
@@ -92,21 +113,22 @@ class Failover:
             return
         again.add_done_callback(lambda h: _settle(out, h))
 
-    def _take_over(self, shard: int, error: BaseException) -> bool:
-        """Promotes ``shard``'s replica if its primary is dead; whether it serves."""
+    def _take_over(self, shard: int, target: Any, error: BaseException) -> bool:
+        """Promotes ``shard``'s replica if ``target`` (the actor a call went to) is
+        dead; whether another actor serves ``shard`` now."""
         import ray
 
         with self._lock:
-            if shard in self._moved:
-                return True
+            if self._servers[shard] is not target:
+                return True  # already moved on: the call is made again there
             replica = self._replicas.get(shard)
-            if replica is None or not _dead(self._servers[shard], error, self._timeout_s):
+            if replica is None or not _dead(target, error, self._timeout_s):
                 return False
             # Promoted before any call reaches it: replays of the dead primary's
             # unconfirmed changes still waiting there are dropped, not applied.
             ray.get(replica.promote.remote(), timeout=self._timeout_s)
             self._servers[shard] = replica
-            self._moved.add(shard)
+            del self._replicas[shard]  # until the controller makes a new one
             logger.warning("parameter-server shard %d is lost; its replica serves it.", shard)
             return True
 

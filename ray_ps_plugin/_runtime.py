@@ -372,3 +372,10 @@ def shared_transport(open_transport: Callable[[], Transport]) -> Transport:
     if _TRANSPORT is None:
         _TRANSPORT = open_transport()
     return _TRANSPORT
+
+
+def set_shard(shard: int, primary: Any, replica: Any) -> None:
+    """Called by the controller when it gave ``shard`` a new replica (its actor is
+    ``primary`` now, perhaps a promoted replica): this worker's calls go there."""
+    if _TRANSPORT is not None:
+        _TRANSPORT.set_shard(shard, primary, replica)

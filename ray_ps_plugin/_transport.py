@@ -165,6 +165,10 @@ class Transport(Protocol):
         memory with the dead primary is no longer read)."""
         ...
 
+    def set_shard(self, shard: int, primary: Any, replica: Any) -> None:
+        """``shard`` is served by ``primary`` now, with ``replica`` to fail over to."""
+        ...
+
     def close(self) -> None:
         """Releases what the transport holds open (the direct path's connections)."""
         ...
@@ -268,6 +272,13 @@ class RayTransport:
 
     def moved(self, shard: int) -> bool:
         return self._failover.moved(shard)
+
+    def set_shard(self, shard: int, primary: Any, replica: Any) -> None:
+        self._failover.set_shard(shard, primary, replica)
+
+    def replica(self, shard: int) -> Any:
+        """``shard``'s replica to fail over to, or ``None``."""
+        return self._failover.replica(shard)
 
     def attach(
         self, shard: int, model: int, rank: int, inputs: SegmentHandle, lo: int, nbytes: int

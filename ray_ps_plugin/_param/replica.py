@@ -35,7 +35,7 @@ __all__ = ["REPLAYED", "ReplayOrder", "ReplicaLink", "Replicated"]
 logger = logging.getLogger(__name__)
 
 #: The shard methods a primary forwards and a replica replays.
-REPLAYED = frozenset({"init", "mirror", "reseed", "finish", "leave", "admit"})
+REPLAYED = frozenset({"init", "mirror", "reseed", "finish", "leave", "admit", "restore"})
 
 
 async def _result(ref: Any) -> Any:
@@ -58,8 +58,11 @@ class ReplicaLink:
         self._last: Any = None  # the last forward submitted
 
     def attach(self, replica: Any) -> None:
-        """From now on every change is forwarded to ``replica`` (an actor handle)."""
+        """From now on every change is forwarded to ``replica`` (an actor handle),
+        numbered from 1."""
         self.replica = replica
+        self._seq = 0
+        self._last = None
 
     def forward(self, method: str, *args: Any) -> None:
         """Submits ``method(*args)`` to the replica, numbered after the last one.

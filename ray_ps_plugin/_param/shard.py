@@ -254,6 +254,22 @@ class ParamShard(TableHost, Replicated, Reseeding):
             )
         self._tables.import_(exported["tables"], bounded)
 
+    async def add_replica(self, replica: Any) -> None:
+        """Makes ``replica`` (a fresh shard of this slice) hold this shard's state:
+        a snapshot now, then every later change, in order (no ``await`` between the
+        snapshot and its forwarding, so no change falls in between)."""
+        self._link.attach(replica)
+        self._link.forward("restore", self.export_state())
+        await self._link.confirm()
+
+    async def restore(self, exported: dict[str, Any]) -> None:
+        """Takes a live primary's snapshot (a new replica's first change): as
+        :meth:`import_state`, keeping which workers finished or catch up."""
+        self.import_state(exported)
+        for model, m in exported["models"].items():
+            self._model(model).finished = set(m["finished"])
+            self._model(model).free = set(m.get("free", ()))
+
     async def _push_pull(
         self,
         state: ParamState,

@@ -75,6 +75,7 @@ def export_models(models: dict[int, ParamState]) -> dict[int, dict[str, Any]]:
             "dtype": state.dtype,
             "clocks": list(state.clocks),
             "finished": sorted(state.finished),
+            "free": sorted(state.free),
             "generation": state.generation,
         }
         for model, state in models.items()

@@ -9,9 +9,10 @@ its final weight is ``-steps * PROBE_LR`` exactly if and only if every update of
 every worker was applied once: a lost or doubled update shows as a different value.
 
 At ``kill_step`` rank 0 writes where shard 0's primary runs (``kill_marker``: its
-node id and process id) for the test to kill; every worker logs one line per step
-(the wall time), so the test can tell how long no worker stepped. Shipped to
-workers by value.
+node id and process id) for the test to kill; at ``second_kill_step``, once shard 0
+has a new replica, the node of shard 0's first replica (``kill_marker_2``). Every worker
+logs one line per step (the wall time), so the test can tell how long no worker
+stepped. Shipped to workers by value.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ def two_models_loop(config: dict[str, Any]) -> None:
         for step in range(config["steps"]):
             if rank == 0 and step == config.get("kill_step"):
                 _name_the_victim(out_dir / "kill_marker")
+            if rank == 0 and step == config.get("second_kill_step"):
+                _name_the_second_victim(out_dir)
             idx = torch.randint(0, len(xtr), (32,), generator=g)
             opt.zero_grad()
             nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
@@ -92,6 +95,25 @@ def _name_the_victim(marker: Path) -> None:
     assert ps is not None
     info = ray.get(_runtime.current_run().servers[0].ready.remote(), timeout=30)
     marker.write_text(json.dumps({"node_id": ps.server_node_ids[0], "pid": info["pid"]}))
+
+
+def _name_the_second_victim(out_dir: Path) -> None:
+    """Once this worker was told shard 0's new replica (the controller made one
+    after the first loss), writes the node of shard 0's first replica, which serves
+    shard 0 since then."""
+    from ray_ps_plugin import _runtime
+
+    transport = _runtime._TRANSPORT
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (
+        transport is not None and transport.moved(0) and transport.replica(0) is not None
+    ):
+        time.sleep(0.1)
+    ps = get_ps_context()
+    assert ps is not None and transport is not None and transport.replica(0) is not None, (
+        "shard 0 got no new replica within 120 s"
+    )
+    (out_dir / "kill_marker_2").write_text(json.dumps({"node_id": ps.replica_node_ids[0]}))
 
 
 def final_state(result: ray.train.Result) -> dict[str, Any]:

@@ -26,12 +26,13 @@ SLEEP_S = 0.02
 REPLICATED = "ps_replicated"
 
 
-def _fit(storage, name, scaling, **ps):
+def _fit(storage, name, scaling, second_kill_step=None, **ps):
     return PSTrainer(
         replication.two_models_loop,
         train_loop_config={
             "steps": STEPS,
             "kill_step": KILL_STEP,
+            "second_kill_step": second_kill_step,
             "sleep_s": SLEEP_S,
             "out_dir": str(storage),
         },
@@ -98,13 +99,13 @@ def test_a_failing_run_with_replicas_leaves_no_shard_or_replica(tmp_path):
 
 @pytest.fixture(scope="module")
 def server_nodes(ray_cluster):
-    """Two fresh nodes carrying ``REPLICATED``: one shard's primary and the other's
-    replica on each. Removed at the end (the one the test kills, before)."""
-    nodes = [ray_cluster.add_node(num_cpus=1, resources={REPLICATED: 2}) for _ in range(2)]
+    """Three fresh nodes carrying ``REPLICATED`` (two shards, their replicas, and
+    room for new replicas once one node is lost). Removed at the end."""
+    nodes = [ray_cluster.add_node(num_cpus=1, resources={REPLICATED: 2}) for _ in range(3)]
     ray_cluster.wait_for_nodes()
     yield ray_cluster, nodes
     for node in nodes:
-        if node in ray_cluster.worker_nodes:  # not the one the test removed
+        if node in ray_cluster.worker_nodes:  # not those the test removed
             ray_cluster.remove_node(node)
 
 
@@ -119,26 +120,48 @@ def uninterrupted(server_nodes, tmp_path_factory):
     return replication.final_state(_fit(path, "uninterrupted", ON_WORKER_NODE, **SERVERS))
 
 
-def test_a_lost_server_node_costs_no_update_and_no_restart(server_nodes, uninterrupted, tmp_path):
-    """Shard 0's primary's node is removed (every process on it killed): shard 0
-    goes on with its replica on the other server node, shard 1 without its replica
-    (it was on the lost node). The run ends without a restart, every update applied
-    once, within 1 point of the uninterrupted run's accuracy."""
-    cluster, nodes = server_nodes
-    killed = []
+def test_two_server_nodes_lost_one_after_the_other_cost_no_update_and_no_restart(
+    server_nodes, uninterrupted, tmp_path
+):
+    """Three server nodes, two shards, each replica away from its shard. Shard 0's
+    primary's node is removed at step 80: shard 0 goes on with its replica, and the
+    controller makes it a new replica (on a node still there). At step 160 the node
+    of shard 0's first replica goes too (shard 0's promoted replica, and whatever
+    else it held): shard 0 fails over to its new replica. The run ends without a
+    restart, every update applied once, within 1 point of the uninterrupted run's
+    accuracy."""
+    cluster, _ = server_nodes
+    killed: list[str] = []
 
-    def remove(victim) -> None:
-        for node in nodes:
-            if node.node_id == victim["node_id"]:
+    def remove(node_id: str) -> None:
+        for node in list(cluster.worker_nodes):
+            if node.node_id == node_id:
                 cluster.remove_node(node, allow_graceful=False)
-                killed.append(node.node_id)
+                killed.append(node_id)
 
-    thread = _kill_when_named(tmp_path / "kill_marker", remove)
-    result = _fit(tmp_path, "node_lost", ON_WORKER_NODE, **SERVERS)
+    def losses() -> None:
+        first = tmp_path / "kill_marker"
+        if not loops.wait_until(first.exists, timeout_s=240):
+            return
+        remove(json.loads(first.read_text())["node_id"])
+        second = tmp_path / "kill_marker_2"
+        if loops.wait_until(second.exists, timeout_s=240):
+            remove(json.loads(second.read_text())["node_id"])
+
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            losses()
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    result = _fit(tmp_path, "nodes_lost", ON_WORKER_NODE, second_kill_step=160, **SERVERS)
     thread.join(10)
-    assert len(killed) == 1
-    replica_nodes = result.metrics["replica_node_ids"]
-    assert killed[0] not in replica_nodes[:1]  # shard 0's replica was elsewhere
+    assert not errors, errors
+    assert len(killed) == 2, killed
     state = replication.final_state(result)
     _assert_no_update_lost(state)
     _assert_no_update_lost(uninterrupted)

@@ -192,6 +192,9 @@ class FakeTransport:
     def moved(self, shard):
         return False
 
+    def set_shard(self, shard, primary, replica):
+        self.servers[shard] = primary
+
     def close(self) -> None:
         pass
 

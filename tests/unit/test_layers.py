@@ -23,6 +23,7 @@ LAYER_OF = {
     "_ddp": DDP,
     "_backend": DDP,
     "_placement": DDP,
+    "_keeper": DDP,
     "_modes": RUN,
     "_runtime": RUN,
     "_optim_hooks": RUN,
