@@ -287,3 +287,18 @@ def write_json(path: str | Path, data: dict[str, Any]) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=2))
     return out
+
+
+def loss_figures(
+    killed: list[dict[str, Any]], clean: list[float], measure: Callable[[dict[str, Any]], dict]
+) -> dict[str, Any]:
+    """A failure benchmark's figures for one variant: ``measure`` of the first seed's
+    killed run, and the accuracy of every seed's killed and uninterrupted runs with
+    their means."""
+    figures = measure(killed[0])
+    figures["accuracy_by_seed"] = [r["accuracy"] for r in killed]
+    figures["accuracy_uninterrupted_by_seed"] = clean
+    figures["accuracy"] = statistics.mean(figures["accuracy_by_seed"])
+    figures["accuracy_uninterrupted"] = statistics.mean(clean)
+    print({k: round(v, 3) if isinstance(v, float) else v for k, v in figures.items()})
+    return figures

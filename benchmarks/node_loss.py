@@ -59,28 +59,32 @@ SCALING = ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5, "traine
 
 
 class ServerNodes:
-    """The cluster's server nodes: two alive, a fresh one added for each removed."""
+    """The cluster's server nodes: two before each run (a removed one is replaced
+    between runs: Ray starts nodes from the main thread only)."""
 
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
-        self.nodes = [self._add() for _ in range(2)]
-        cluster.wait_for_nodes()
+        self.nodes: list[Any] = []
+        self.refill()
 
-    def _add(self) -> Any:
-        return self.cluster.add_node(num_cpus=1, resources={"ps_server": 2})
+    def refill(self) -> None:
+        """Adds fresh server nodes until two are alive."""
+        while len(self.nodes) < 2:
+            self.nodes.append(self.cluster.add_node(num_cpus=1, resources={"ps_server": 2}))
+        self.cluster.wait_for_nodes()
 
     def remove(self, node_id: str) -> bool:
-        """Removes the node (every process on it killed) and adds a fresh one."""
+        """Removes the node: every process on it is killed."""
         for node in self.nodes:
             if node.node_id == node_id:
                 self.cluster.remove_node(node, allow_graceful=False)
-                self.nodes = [n for n in self.nodes if n is not node] + [self._add()]
+                self.nodes = [n for n in self.nodes if n is not node]
                 return True
         return False
 
 
-def run(name: str, args: argparse.Namespace, servers: ServerNodes | None, seed: int) -> dict:
-    """One ``fit()``; with ``servers``, the node of shard 0 is removed mid-run."""
+def run(name: str, args: argparse.Namespace, servers: ServerNodes, kill: bool, seed: int) -> dict:
+    """One ``fit()`` on two server nodes; with ``kill``, shard 0's is removed mid-run."""
     with tempfile.TemporaryDirectory() as out:
         config = {
             "steps": args.steps,
@@ -90,7 +94,8 @@ def run(name: str, args: argparse.Namespace, servers: ServerNodes | None, seed: 
             "seed": seed,
         }
         removed: list[float] = []
-        if servers is not None:
+        servers.refill()
+        if kill:
             config["name_shard_node_step"] = args.kill_step
             thread = threading.Thread(target=_remove_when_named, args=(out, servers, removed))
             thread.start()
@@ -105,7 +110,7 @@ def run(name: str, args: argparse.Namespace, servers: ServerNodes | None, seed: 
                 failure_config=FailureConfig(max_failures=2),
             ),
         ).fit()
-        if servers is not None:
+        if kill:
             thread.join(30)
         return {
             "accuracy": workerloss.accuracy(result),
@@ -167,16 +172,11 @@ def main() -> None:
     args.storage = tempfile.mkdtemp(prefix="node-loss-")
     summary, runs = {}, {}
     for name in args.variants.split(","):
-        killed = [run(name, args, servers, seed) for seed in range(args.seeds)]
-        clean = [run(name, args, None, seed)["accuracy"] for seed in range(args.seeds)]
+        killed = [run(name, args, servers, True, seed) for seed in range(args.seeds)]
+        clean = [run(name, args, servers, False, seed)["accuracy"] for seed in range(args.seeds)]
         runs[name] = killed[0]
-        figures = measure(killed[0])
-        figures["accuracy_by_seed"] = [r["accuracy"] for r in killed]
-        figures["accuracy_uninterrupted_by_seed"] = clean
-        figures["accuracy"] = statistics.mean(figures["accuracy_by_seed"])
-        figures["accuracy_uninterrupted"] = statistics.mean(clean)
-        summary[name] = figures
-        print(name, {k: round(v, 3) if isinstance(v, float) else v for k, v in figures.items()})
+        print(name, end=" ")
+        summary[name] = _common.loss_figures(killed, clean, measure)
     ray.shutdown()
     cluster.shutdown()
     if args.out:

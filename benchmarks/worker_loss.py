@@ -198,13 +198,8 @@ def main() -> None:
         killed = [run(name, args, True, storage, seed) for seed in range(args.seeds)]
         clean = [run(name, args, False, storage, seed)["accuracy"] for seed in range(args.seeds)]
         killed_runs[name] = killed[0]
-        figures = measure(killed[0])
-        figures["accuracy_by_seed"] = [r["accuracy"] for r in killed]
-        figures["accuracy_uninterrupted_by_seed"] = clean
-        figures["accuracy"] = statistics.mean(figures["accuracy_by_seed"])
-        figures["accuracy_uninterrupted"] = statistics.mean(clean)
-        summary[name] = figures
-        print(name, {k: round(v, 3) if isinstance(v, float) else v for k, v in figures.items()})
+        print(name, end=" ")
+        summary[name] = _common.loss_figures(killed, clean, measure)
     if args.plot:
         plot(killed_runs, args.plot, args.kill_step)
     if args.out:

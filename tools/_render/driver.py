@@ -68,7 +68,7 @@ from .straggler import (
     straggler_table,
 )
 from .wire_server import wire_loop_cpu, wire_server_table
-from .worker_loss import worker_loss_figure, worker_loss_table
+from .worker_loss import node_loss_table, worker_loss_figure, worker_loss_table
 
 BLOCK = re.compile(r"<!-- generated: (?P<spec>[^>]*?) -->(?P<body>.*?)<!-- end generated -->", re.S)
 OPENING = re.compile(r"<!-- generated: ")
@@ -119,6 +119,7 @@ RENDERERS: dict[str, Callable[..., str]] = {
         dlrm_ratio,
         dlrm_loss_gap,
         worker_loss_table,
+        node_loss_table,
         worker_loss_figure,
     )
 }

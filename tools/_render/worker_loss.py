@@ -54,3 +54,30 @@ def _seeds(d: dict) -> int:
     """How many seeds each accuracy is the mean of (1 before seeds were recorded)."""
     first = next(iter(d["summary"].values()))
     return len(first.get("accuracy_by_seed", [None]))
+
+
+def node_loss_table() -> str:
+    """``benchmarks/node_loss.py``: per variant, steps done again, seconds no worker
+    stepped, the longest such gap, worker processes per rank (2: a restart), and
+    accuracy against the same variant without the loss."""
+    d = read_json("node_loss")
+    rows = [
+        [
+            f"`{name}`",
+            str(e["steps_done_again"]),
+            _s(e["seconds_no_worker_stepped"]),
+            _s(e["longest_gap_s"]),
+            str(e["processes_per_rank"]),
+            _accuracy(e),
+        ]
+        for name, e in d["summary"].items()
+    ]
+    header = [
+        "variant",
+        "steps done again",
+        "s with no worker stepping",
+        "longest gap, s",
+        "processes per rank",
+        f"accuracy, mean of {_seeds(d)} seed(s) (points vs no loss)",
+    ]
+    return _provenance("node_loss", "node_loss", "node_loss.json") + "\n\n" + _table(header, rows)
