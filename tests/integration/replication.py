@@ -9,10 +9,10 @@ its final weight is ``-steps * PROBE_LR`` exactly if and only if every update of
 every worker was applied once: a lost or doubled update shows as a different value.
 
 At ``kill_step`` rank 0 writes where shard 0's primary runs (``kill_marker``: its
-node id and process id) for the test to kill; at ``second_kill_step``, once shard 0
-has a new replica, the node of shard 0's first replica (``kill_marker_2``). Every worker
-logs one line per step (the wall time), so the test can tell how long no worker
-stepped. Shipped to workers by value.
+node id and process id) for the test to kill; at ``second_kill_step``, once every
+shard has a live replica again, the node of shard 0's first replica
+(``kill_marker_2``). Every worker logs one line per step (the wall time), so the
+test can tell how long no worker stepped. Shipped to workers by value.
 """
 
 from __future__ import annotations
@@ -98,22 +98,36 @@ def _name_the_victim(marker: Path) -> None:
 
 
 def _name_the_second_victim(out_dir: Path) -> None:
-    """Once this worker was told shard 0's new replica (the controller made one
-    after the first loss), writes the node of shard 0's first replica, which serves
-    shard 0 since then."""
+    """Once this worker knows a live replica of every shard (the controller made new
+    ones after the first loss and told the workers), writes the node of shard 0's
+    first replica, which serves shard 0 since then."""
     from ray_ps_plugin import _runtime
 
-    transport = _runtime._TRANSPORT
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (
-        transport is not None and transport.moved(0) and transport.replica(0) is not None
-    ):
-        time.sleep(0.1)
     ps = get_ps_context()
-    assert ps is not None and transport is not None and transport.replica(0) is not None, (
-        "shard 0 got no new replica within 120 s"
-    )
+    assert ps is not None
+    deadline = time.monotonic() + 120
+    while not _every_shard_replicated(_runtime._TRANSPORT, ps.num_servers):
+        assert time.monotonic() < deadline, "the shards got no new replicas within 120 s"
+        time.sleep(0.2)
     (out_dir / "kill_marker_2").write_text(json.dumps({"node_id": ps.replica_node_ids[0]}))
+
+
+def _every_shard_replicated(transport: Any, num_shards: int) -> bool:
+    """Whether shard 0 moved to its replica and every shard has a replica that
+    answers (a replica lost with the first node does not)."""
+    from ray_ps_plugin._ray_compat import ping_actor
+
+    if transport is None or not transport.moved(0):
+        return False
+    for shard in range(num_shards):
+        replica = transport.replica(shard)
+        if replica is None:
+            return False
+        try:
+            ray.get(ping_actor(replica), timeout=2)
+        except Exception:
+            return False
+    return True
 
 
 def final_state(result: ray.train.Result) -> dict[str, Any]:
