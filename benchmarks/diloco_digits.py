@@ -1,4 +1,4 @@
-"""What local steps cost in quality: digits accuracy of DiLoCo against DDP.
+"""What local steps and lossy compression cost in quality: digits accuracy against DDP.
 
 Every variant trains the same MLP on scikit-learn's digits (bundled, no download)
 with the same inner optimizer (SGD, momentum 0.9), learning-rate schedule, batch,
@@ -12,6 +12,12 @@ run (``CosineAnnealingLR``), as the DiLoCo paper does for its inner optimizer;
   step with the paper's defaults (lr 0.7, momentum 0.9); at H = 32 also half that
   outer lr (``diloco_h32_olr0.35``), plain averaging (``diloco_h32_average``) and
   one round of delay (``diloco_h32_overlap``);
+- ``ddp_bf16``: DDP with torch's ``bf16_compress_hook``; ``ps_sync_bf16``,
+  ``ps_sync_onebit``, ``ps_sync_topk`` (1% of values) and ``ps_sync_topk10``
+  (10%): sync parameter servers with ``compression`` set, every chunk by message
+  (``shared_memory=False``), so every push and every sum is compressed: more than
+  on two nodes of one worker each, where a worker's own node's shard reads its
+  chunks at full precision;
 - with a straggler (rank 1 sleeps ``--sleep-ms`` after every step):
   ``ddp_straggler``, ``diloco_h32_straggler`` (synchronous rounds) and
   ``diloco_async_h32_straggler`` (asynchronous rounds, staleness 2).
@@ -24,6 +30,9 @@ wall time.
     python benchmarks/diloco_digits.py            # reference run (3 seeds)
     python benchmarks/diloco_digits.py --quick    # smoke run
 
+The compression run writes ``--variants
+ddp,ddp_bf16,ps_sync,ps_sync_bf16,ps_sync_onebit,ps_sync_topk,ps_sync_topk10 --out
+benchmarks/results/compression_digits.json --plot docs/img/compression_digits.png``.
 The cosine run writes ``--out benchmarks/results/diloco_digits_cosine.json --plot
 docs/img/diloco_digits_cosine.png``.
 
@@ -65,10 +74,21 @@ def _diloco(h: int, **kw: Any) -> dict[str, Any]:
     return {"strategy": "ps", "mode": "diloco", "local_steps": h, **kw}
 
 
+def _compressed(compression: str, **kw: Any) -> dict[str, Any]:
+    # Every chunk by message: shared memory would carry a node's own chunks uncompressed.
+    sync = {"strategy": "ps", "mode": "sync", "shared_memory": False}
+    return {**sync, "compression": compression, **kw}
+
+
 # name -> (PSConfig fields, straggler)
 VARIANTS: dict[str, tuple[dict[str, Any], bool]] = {
     "ddp": ({"strategy": "ddp"}, False),
+    "ddp_bf16": ({"strategy": "ddp"}, False),  # with torch's bf16_compress_hook
     "ps_sync": ({"strategy": "ps", "mode": "sync"}, False),
+    "ps_sync_bf16": (_compressed("bf16"), False),
+    "ps_sync_onebit": (_compressed("onebit"), False),
+    "ps_sync_topk": (_compressed("topk"), False),
+    "ps_sync_topk10": (_compressed("topk", topk_ratio=0.1), False),
     **{f"diloco_h{h}": (_diloco(h), False) for h in (1, 8, 32, 128)},
     # The outer step's knobs at H = 32: half the outer lr; plain averaging (local SGD).
     "diloco_h32_olr0.35": (_diloco(32, outer_lr=0.35), False),
@@ -88,6 +108,12 @@ def digits_loop(config: dict[str, Any]) -> None:
     ps = get_ps_context()
     h = config["local_steps"]
     every = max(32, h)
+    if config["bf16_hook"]:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+            bf16_compress_hook,
+        )
+
+        model.register_comm_hook(None, bf16_compress_hook)
 
     def accuracy() -> float:
         with torch.no_grad():
@@ -133,6 +159,7 @@ def run(name: str, seed: int, args: argparse.Namespace, storage: str) -> list[li
                 "schedule": args.schedule,
                 "local_steps": fields.get("local_steps", 1),
                 "sleep_s": args.sleep_ms / 1e3 if straggler else 0.0,
+                "bf16_hook": name == "ddp_bf16",
                 "out_dir": out_dir,
             },
             scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),

@@ -12,6 +12,9 @@ Variants (run in alternation within each round, so drifts hit them alike):
 - ``ps_sync``: parameter servers, sync mode (fp32 on the wire; the direct TCP data
   path and node-level aggregation, the defaults).
 - ``ps_sync_bf16``: the same with ``compression="bf16"``.
+- ``ps_sync_onebit`` / ``ps_sync_topk`` / ``ps_sync_topk10``: the lossy encodings
+  with error feedback (``compression="onebit"``; ``"topk"`` with ``topk_ratio``
+  0.01 and 0.1).
 - ``ps_sync_store`` / ``ps_sync_bf16_store``: the same through Ray's object store
   (``data_path="object_store"``), the other data path measured.
 - ``ps_sync_noagg``: direct path, but every worker pushes for itself
@@ -81,6 +84,13 @@ VARIANTS: dict[str, tuple[dict[str, Any], str | None, bool]] = {
     "ddp_bf16": ({"strategy": "ddp"}, "bf16", True),
     "ps_sync": ({"strategy": "ps", "mode": "sync"}, None, True),
     "ps_sync_bf16": ({"strategy": "ps", "mode": "sync", "compression": "bf16"}, None, True),
+    "ps_sync_onebit": ({"strategy": "ps", "mode": "sync", "compression": "onebit"}, None, True),
+    "ps_sync_topk": ({"strategy": "ps", "mode": "sync", "compression": "topk"}, None, True),
+    "ps_sync_topk10": (
+        {"strategy": "ps", "mode": "sync", "compression": "topk", "topk_ratio": 0.1},
+        None,
+        True,
+    ),
     "ps_sync_store": ({"strategy": "ps", "data_path": "object_store"}, None, True),
     "ps_sync_bf16_store": (
         {"strategy": "ps", "data_path": "object_store", "compression": "bf16"},

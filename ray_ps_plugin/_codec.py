@@ -1,10 +1,16 @@
-"""Encoded formats of what workers and shards send: the model's own dtype, or 16-bit.
+"""Encoded formats of what workers and shards send: the model's own dtype, 16-bit, or
+one of the lossy encodings with error feedback.
 
 With ``PSConfig(compression="bf16" | "fp16")`` every tensor that travels (gradient
 chunks and sums in sync mode, deltas and parameters in async/ssp) is sent as 16-bit
-values, halving the bytes. The shards decode to the model's dtype (at least fp32)
-and keep their sums and master parameters in it, so rounding happens only in the
-messages, never in the state. A bfloat16 model travels as bfloat16 either way; fp16
+values, halving the bytes. With ``"onebit"`` or ``"topk"`` (sync only) the dense
+gradient chunks and their sums are sent in a lossy encoding of
+:mod:`ray_ps_plugin._lossy`, each sender keeping what the encoding dropped per
+chunk (the ``key`` arguments below); sparse rows then travel as fp32. The shards
+decode to the model's dtype (at least fp32) and keep their sums and master
+parameters in it, so rounding happens only in the messages, never in the state
+(lossy encodings: the error each sender holds is the only thing not yet applied).
+A bfloat16 model travels as bfloat16 either way; fp16
 compression of it is refused at ``prepare_model`` (fp16 lacks its range).
 
 bfloat16 travels as raw 16-bit patterns in ``int16`` arrays (see
@@ -21,14 +27,23 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ray_ps_plugin._dtypes import BF16_BITS, bf16_to_f32, storage, widened
-from ray_ps_plugin._types import Compression
+from ray_ps_plugin._lossy import ErrorFeedback, lossy_encoding
+from ray_ps_plugin._types import DEFAULT_TOPK_RATIO, Compression
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["Codec", "as_torch", "to_numpy"]
 
-_WIRE: dict[Compression | None, str] = {None: "float32", "fp16": "float16", "bf16": "bfloat16"}
+# The torch dtype values are sent in; the lossy encodings start from fp32.
+_WIRE: dict[Compression | None, str] = {
+    None: "float32",
+    "fp16": "float16",
+    "bf16": "bfloat16",
+    "onebit": "float32",
+    "topk": "float32",
+}
+_LOSSY_BYTES = np.dtype(np.uint8)
 
 
 def as_torch(arr: np.ndarray) -> torch.Tensor:
@@ -54,13 +69,21 @@ class Codec:
     """Encodes tensors for messages (16-bit when compressed) and decodes them back.
 
     Args:
-        compression: ``None`` (the model's dtype in messages), ``"fp16"`` or ``"bf16"``.
+        compression: ``None`` (the model's dtype in messages), ``"fp16"``, ``"bf16"``,
+            ``"onebit"`` or ``"topk"``.
+        topk_ratio: The fraction of values ``"topk"`` sends.
     """
 
-    def __init__(self, compression: Compression | None) -> None:
+    def __init__(
+        self, compression: Compression | None, topk_ratio: float = DEFAULT_TOPK_RATIO
+    ) -> None:
         if compression not in _WIRE:
             raise ValueError(f"unknown compression {compression!r}")
         self.compression = compression
+        self.topk_ratio = topk_ratio
+        lossy = lossy_encoding(compression, topk_ratio) if compression else None
+        # Per process: the errors of what this worker or shard sent, by chunk.
+        self.feedback = ErrorFeedback(lossy) if lossy is not None else None
         # Model dtype -> whether it converts: asked per chunk on the shards' hot
         # path, and a model has one or two dtypes.
         self._converts: dict[str, bool] = {}
@@ -76,11 +99,25 @@ class Codec:
     def active(self) -> bool:
         return self.compression is not None
 
+    @property
+    def lossy(self) -> bool:
+        """Whether dense chunks travel in a lossy encoding with error feedback."""
+        return self.feedback is not None
+
     def encoded_np_dtype(self, dtype: str) -> np.dtype:
-        """The NumPy dtype of an encoded array carrying values of model dtype ``dtype``."""
+        """The NumPy dtype of an encoded array carrying values of model dtype ``dtype``
+        (``uint8`` for the lossy encodings' bytes)."""
+        if self.feedback is not None:
+            return _LOSSY_BYTES
         if self.compression == "bf16":
             return BF16_BITS
         return np.dtype(np.float16) if self.compression == "fp16" else storage(dtype)
+
+    def encoded_nbytes(self, dtype: str, n: int) -> int:
+        """Bytes of a message carrying ``n`` values of model dtype ``dtype``."""
+        if self.feedback is not None:
+            return self.feedback.encoding.nbytes(n)
+        return n * self.encoded_np_dtype(dtype).itemsize
 
     def converts(self, dtype: str) -> bool:
         """Whether the encoded format differs from the dtype shards compute in."""
@@ -90,26 +127,45 @@ class Codec:
         return known
 
     def encode(self, t: torch.Tensor) -> np.ndarray:
-        """A host array of ``t`` in the encoded format (a view when nothing changes)."""
+        """A host array of ``t`` in the encoded format (a view when nothing changes);
+        fp32 where the compression is lossy (see :meth:`encode_chunk`)."""
         t = t.detach()
         t = t.to(device="cpu", dtype=self.encoded_dtype) if self.active else t.cpu()
         return to_numpy(t)
+
+    def encode_chunk(self, key: object, values: torch.Tensor | np.ndarray) -> np.ndarray:
+        """Worker side: a dense chunk as it is pushed, the lossy encodings with the
+        chunk's error fed back (``key`` names the chunk; ``values`` on the host)."""
+        if self.feedback is None:
+            return self.encode(values) if not isinstance(values, np.ndarray) else values
+        host = values if isinstance(values, np.ndarray) else to_numpy(values.detach().cpu())
+        return self.feedback.encode(key, host)[0]
 
     def decode(self, arr: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The values of an encoded array as ``dtype`` (compressed: fp32 by default;
         uncompressed: the array itself, viewed as a tensor, by default)."""
         import torch
 
+        if self.feedback is not None and arr.dtype == _LOSSY_BYTES:
+            arr = self.feedback.encoding.decode(arr)
         t = as_torch(arr)
         target = dtype or (torch.float32 if self.active else t.dtype)
         return t.to(target)
 
     def encode_np(
-        self, values: np.ndarray, dtype: str = "float32", out: np.ndarray | None = None
+        self,
+        values: np.ndarray,
+        dtype: str = "float32",
+        out: np.ndarray | None = None,
+        key: object = None,
     ) -> np.ndarray:
         """Shard side: a fresh encoded array of ``values`` (or ``out``, filled), which
         are in the dtype shards compute in for model dtype ``dtype`` (a copy when
-        nothing changes)."""
+        nothing changes). With a lossy compression, a dense chunk's sum (``key``
+        names it) is encoded with the shard's error for it fed back; anything
+        without a key (sparse rows) is sent as it is."""
+        if self.feedback is not None:
+            return values if key is None else self.feedback.encode(key, values)[0]
         encoded = self.encoded_np_dtype(dtype)
         if out is None:
             out = np.empty(values.shape, encoded)
@@ -132,6 +188,9 @@ class Codec:
         """Shard side: the values of an encoded array in the dtype shards compute in for
         model dtype ``dtype`` (the array itself when nothing changes)."""
         target = np.dtype(widened(dtype))
+        if self.feedback is not None and arr.dtype == _LOSSY_BYTES:
+            values = self.feedback.encoding.decode(arr)
+            return values if target == values.dtype else values.astype(target)
         if arr.dtype == BF16_BITS:
             values = bf16_to_f32(arr)  # exact, and as fast as torch's
             return values if target == values.dtype else values.astype(target)
@@ -142,4 +201,5 @@ class Codec:
         return as_torch(arr).to(getattr(torch, target.name)).numpy()
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (Codec, (self.compression,))
+        # The errors held stay with their process: each sender keeps its own.
+        return (Codec, (self.compression, self.topk_ratio))

@@ -32,7 +32,7 @@ from ray_ps_plugin._modes import real_tables, spec_of
 from ray_ps_plugin._tables import client as _table_client
 from ray_ps_plugin._tables import layers as _table_layers
 from ray_ps_plugin._transport import RayTransport
-from ray_ps_plugin._types import Compression
+from ray_ps_plugin._types import LOSSY_COMPRESSIONS, Compression
 
 __all__ = [
     "PSDistributedDataParallel",
@@ -54,8 +54,22 @@ def check_supported(module: torch.nn.Module, compression: Compression | None = N
 
     Raises:
         ValueError: If bfloat16 parameters would travel as fp16
-            (``compression="fp16"``: fp16 lacks bf16's range).
+            (``compression="fp16"``: fp16 lacks bf16's range), or a lossy
+            compression is given a model whose trained parameters are not fp32.
     """
+    if compression in LOSSY_COMPRESSIONS:
+        other = [
+            f"{n} ({str(p.dtype).removeprefix('torch.')})"
+            for n, p in module.named_parameters()
+            if p.requires_grad and p.dtype != torch.float32
+        ]
+        if other:
+            raise ValueError(
+                f"PSConfig.compression={compression!r} encodes fp32 gradients, and "
+                f"parameter(s) {other[:3]}{'...' if len(other) > 3 else ''} are not fp32. "
+                "Train the model in fp32 (autocast keeps mixed precision in the "
+                "forward pass), or use compression='bf16'."
+            )
     bf16 = [
         n for n, p in module.named_parameters() if p.requires_grad and p.dtype == torch.bfloat16
     ]

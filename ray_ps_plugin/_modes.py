@@ -74,6 +74,10 @@ class ModeSpec:
             may start one shard per node instead of one per worker.
         replicates: Whether ``PSConfig.shard_replicas`` can hold the shards' state
             twice (async, ssp: a replica replays every applied update).
+        compressions: The ``PSConfig.compression`` values the mode takes: the 16-bit
+            ones everywhere; the lossy ones with error feedback only where every
+            step's sum reaches every worker alike (sync), so each sender's error
+            is what it alone has not sent yet.
         table_copies: With the tables stepped on the shards, whether every worker
             keeps its copy written from the shards' answers (sync: every step waits
             for all workers, so the copies stay equal) or looks the rows it needs
@@ -95,12 +99,14 @@ class ModeSpec:
     table_copies: bool = False
     relays_chunks: bool = False
     replicates: bool = False
+    compressions: frozenset[str] = frozenset({"bf16", "fp16"})
 
 
 _SUM = ModeSpec(
     shard_cls=SumShard,
-    shard_args=lambda cfg: (cfg.ps_timeout_s, cfg.compression),
+    shard_args=lambda cfg: (cfg.ps_timeout_s, cfg.compression, cfg.topk_ratio),
     build_client=SumClient.build,
+    compressions=frozenset({"bf16", "fp16", "onebit", "topk"}),
     uses_reducer=True,
     connect=connect_shards,
     max_concurrency=SHARD_MAX_CONCURRENCY,

@@ -13,6 +13,8 @@ __all__ = [
     "COMPRESSIONS",
     "DATA_PATHS",
     "DEFAULT_OUTER_LR",
+    "DEFAULT_TOPK_RATIO",
+    "LOSSY_COMPRESSIONS",
     "MODES",
     "NAN_POLICIES",
     "OUTER_OPTIMIZERS",
@@ -36,7 +38,7 @@ __all__ = [
 Strategy = Literal["ddp", "ps"]
 Mode = Literal["sync", "async", "ssp", "diloco"]
 NanPolicy = Literal["raise", "skip", "ignore"]
-Compression = Literal["bf16", "fp16"]
+Compression = Literal["bf16", "fp16", "onebit", "topk"]
 ServerPlacement = Literal["auto", "worker", "node"]
 DataPath = Literal["tcp", "object_store"]
 OuterOptimizer = Literal["nesterov", "average"]
@@ -52,6 +54,13 @@ DATA_PATHS: tuple[DataPath, ...] = get_args(DataPath)
 OUTER_OPTIMIZERS: tuple[OuterOptimizer, ...] = get_args(OuterOptimizer)
 ROUND_MODES: tuple[RoundMode, ...] = get_args(RoundMode)
 SPARSE_OPTIMIZERS: tuple[SparseOptimizer, ...] = get_args(SparseOptimizer)
+
+#: The compressions that drop information and so keep an error per sender.
+LOSSY_COMPRESSIONS: frozenset[Compression] = frozenset({"onebit", "topk"})
+
+#: The fraction of each chunk's values ``compression="topk"`` sends when
+#: ``PSConfig.topk_ratio`` is not given.
+DEFAULT_TOPK_RATIO = 0.01
 
 #: The outer learning rate of each outer optimizer when ``PSConfig.outer_lr`` is
 #: ``None``: DiLoCo's 0.7 for Nesterov momentum, 1 for plain averaging (the new
@@ -80,6 +89,7 @@ class RunSettings(Protocol):
     ps_start_timeout_s: float
     nan_policy: NanPolicy
     compression: Compression | None
+    topk_ratio: float
     shared_memory: bool
     data_path: DataPath
     node_aggregation: bool

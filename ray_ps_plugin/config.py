@@ -23,6 +23,7 @@ from ray_ps_plugin._ray_compat import TorchBackend, TorchConfigContextManager
 from ray_ps_plugin._types import (
     COMPRESSIONS,
     DATA_PATHS,
+    DEFAULT_TOPK_RATIO,
     MODES,
     NAN_POLICIES,
     OUTER_OPTIMIZERS,
@@ -87,7 +88,16 @@ class PSConfig(TorchConfig):
             ``"fp16"``: what workers and shards send each other between nodes as
             16-bit values, halving the bytes. Shards keep their sums and
             master parameters in the model's dtype (at least fp32); shared memory
-            carries full precision.
+            carries full precision. Sync mode also takes two lossy encodings for
+            slow links, each with error feedback (what a sender's encoding drops
+            is added to what it sends next, by the worker for its pushes and by
+            the shard for its sums): ``"onebit"`` (a sign bit per value and a
+            scale per 128 values: 25.6x fewer bytes than fp32) and ``"topk"``
+            (the ``topk_ratio`` largest values of each chunk with their indices).
+            They take fp32 models; sparse rows then travel as fp32. See
+            docs/compression.md for which to pick.
+        topk_ratio: The fraction of each chunk's values ``compression="topk"``
+            sends (8 bytes each: index and value), in (0, 1].
         shared_memory: Whether a worker exchanges data with the shards of its own
             node through shared memory, as BytePS does within a machine: only a
             notice naming what was written travels separately (sync: one per bucket
@@ -207,6 +217,7 @@ class PSConfig(TorchConfig):
     ps_start_timeout_s: float = 120.0
     nan_policy: NanPolicy = "raise"
     compression: Compression | None = None
+    topk_ratio: float = DEFAULT_TOPK_RATIO
     server_placement: ServerPlacement = "auto"
     server_resources: dict[str, float] | None = None
     shared_memory: bool = True
@@ -234,8 +245,7 @@ class PSConfig(TorchConfig):
         _check_seconds("ps_timeout_s", self.ps_timeout_s)
         _check_seconds("ps_start_timeout_s", self.ps_start_timeout_s)
         _check_choice("nan_policy", self.nan_policy, NAN_POLICIES)
-        if self.compression is not None:
-            _check_choice("compression", self.compression, COMPRESSIONS)
+        self._check_compression()
         _check_choice("server_placement", self.server_placement, SERVER_PLACEMENTS)
         _check_choice("data_path", self.data_path, DATA_PATHS)
         for name in ("shared_memory", "node_aggregation", "diloco_overlap", "replace_lost_workers"):
@@ -286,6 +296,25 @@ class PSConfig(TorchConfig):
                 f"PSConfig.server_placement={self.server_placement!r} places shards in "
                 "the workers' bundles and cannot be combined with server_resources, "
                 "which places them on the nodes carrying those resources; drop one."
+            )
+
+    def _check_compression(self) -> None:
+        _check_positive("topk_ratio", self.topk_ratio)
+        if self.topk_ratio > 1:
+            raise ValueError(
+                f"PSConfig.topk_ratio is the fraction of values compression='topk' sends, "
+                f"in (0, 1]; got {self.topk_ratio!r}."
+            )
+        if self.compression is None:
+            return
+        _check_choice("compression", self.compression, COMPRESSIONS)
+        spec = MODE_SPECS[self.mode]
+        if self.compression not in spec.compressions:
+            takes = [m for m, s in MODE_SPECS.items() if self.compression in s.compressions]
+            raise ValueError(
+                f"PSConfig.compression={self.compression!r} does not apply to "
+                f"mode={self.mode!r}, which takes {sorted(spec.compressions)}; "
+                f"{self.compression!r} is for the modes {takes}."
             )
 
     def _check_replicas(self) -> None:

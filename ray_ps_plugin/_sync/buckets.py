@@ -11,6 +11,7 @@ a view of the one shard's output segment that already holds them.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -74,7 +75,7 @@ class DenseStream:
         self.lanes = dict(lanes)
         self._routes = list(routes)
         self._direct = direct
-        self._codec = Codec(setup.settings.compression)
+        self._codec = Codec(setup.settings.compression, setup.settings.topk_ratio)
         self._model_id = setup.model_id
         self._rank = setup.rank
         self._world_size = setup.world_size
@@ -172,7 +173,7 @@ class DenseStream:
                 self._offset,
                 buf.numel(),
                 buf.element_size(),
-                np.dtype(self._codec.encoded_np_dtype(dtype)).itemsize,
+                functools.partial(self._codec.encoded_nbytes, dtype),
                 buf.is_cuda,
             )
         return plan
@@ -204,11 +205,12 @@ class DenseStream:
     def _send_piece(self, step: int, buf: torch.Tensor, send: Send, host: np.ndarray | None) -> Any:
         """Sends one piece by value, on the direct path or as a Ray call."""
         (p,) = send.pieces
-        chunk = (
-            self._codec.encode(buf[p.start : p.stop].div_(self._world_size))
-            if host is None
-            else host[p.start : p.stop]
-        )
+        if host is None:
+            chunk = self._codec.encode_chunk(p.key, buf[p.start : p.stop].div_(self._world_size))
+        else:
+            # Staged on the host already divided (and narrowed where 16-bit); a
+            # lossy encoding is applied per piece, where each piece's error is kept.
+            chunk = self._codec.encode_chunk(p.key, host[p.start : p.stop])
         dtype = dtype_name(buf)
         if send.direct:
             assert self._direct is not None

@@ -91,7 +91,7 @@ def plan_bucket(
     offset: int,
     numel: int,
     itemsize: int,
-    encoded_itemsize: int,
+    encoded_nbytes: Callable[[int], int],
     on_gpu: bool,
 ) -> BucketPlan:
     """Plans one bucket.
@@ -105,7 +105,7 @@ def plan_bucket(
         offset: The bucket's byte offset in the step's gradient stream.
         numel: Its number of elements.
         itemsize: Bytes per element of its dtype.
-        encoded_itemsize: Bytes per element when encoded for a message.
+        encoded_nbytes: Bytes of a message carrying a given number of its elements.
         on_gpu: Whether the bucket lives on a GPU (its sum is then never read in place).
 
     Raises:
@@ -137,7 +137,8 @@ def plan_bucket(
             sends.append(Send(target, group, chunks, notice=True, direct=direct, entries=entries))
     wait_order = tuple(sorted(range(len(sends)), key=lambda k: sends[k].indices[0]))
     push_bytes = tuple(
-        p.numel * (itemsize if t in local else encoded_itemsize) for p, t in zip(pieces, targets)
+        p.numel * itemsize if t in local else encoded_nbytes(p.numel)
+        for p, t in zip(pieces, targets)
     )
     in_place = None
     if not on_gpu and len(grouped) == 1 and all(s.notice for s in sends):

@@ -32,7 +32,7 @@ from ray_ps_plugin._sync.row_relay import RowRelay
 from ray_ps_plugin._sync.sums import ChunkSums, Slot
 from ray_ps_plugin._sync.topology import Topology
 from ray_ps_plugin._tables.host import TableHost
-from ray_ps_plugin._types import Compression
+from ray_ps_plugin._types import DEFAULT_TOPK_RATIO, Compression
 from ray_ps_plugin._wire.frames import (
     LOCAL,
     ROWS,
@@ -55,7 +55,8 @@ class SumShard(TableHost):
         shard_index: This shard's index, used in error messages.
         num_workers: Number of workers whose pushes make up one step.
         timeout_s: How long a push waits for the other workers before it fails.
-        compression: The encoding of pushes and sums through the object store.
+        compression: The encoding of pushes and sums in messages.
+        topk_ratio: The fraction of values ``compression="topk"`` sends.
     """
 
     def __init__(
@@ -64,9 +65,10 @@ class SumShard(TableHost):
         num_workers: int,
         timeout_s: float,
         compression: Compression | None = None,
+        topk_ratio: float = DEFAULT_TOPK_RATIO,
     ) -> None:
         super().__init__(shard_index, num_workers, timeout_s)
-        self._codec = Codec(compression)
+        self._codec = Codec(compression, topk_ratio)
         self._topology: Topology | None = None
         self._own_sources = frozenset(range(num_workers))
         self._relayed: frozenset[int] = frozenset()
@@ -412,7 +414,11 @@ class SumShard(TableHost):
                     key,
                     self._topology.relay_source(self.shard_index),
                     dtype,
-                    self._codec.encode_np(slot.acc, dtype) if converts else slot.acc,
+                    # A lossy partial sum keeps its error here, per chunk, as a
+                    # worker does for its pushes.
+                    self._codec.encode_np(slot.acc, dtype, key=(model, key))
+                    if converts
+                    else slot.acc,
                     # Unconverted, the answer lands in the accumulator itself.
                     None if converts else slot.acc,
                 )

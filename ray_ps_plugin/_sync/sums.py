@@ -222,6 +222,7 @@ class ChunkSums:
             # Some workers receive the sum by message: round it once, in place, so a
             # worker reading shared memory gets exactly the values they decode. (When
             # every worker shares memory, nothing is encoded and nothing rounded.)
-            slot.encoded = self._codec.encode_np(slot.acc, dtype)
+            # A lossy encoding keeps this shard's error for the chunk's next sum.
+            slot.encoded = self._codec.encode_np(slot.acc, dtype, key=(model, key))
             np.copyto(slot.acc, self._codec.decode_np(slot.encoded, dtype))
         slot.done.set()

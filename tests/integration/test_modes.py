@@ -47,6 +47,8 @@ FITS = {
     # store so that every byte is encoded (and that path is covered too).
     "sync_sgd_bf16": (SGD, {"compression": "bf16", "shared_memory": False}),
     "async_sgd_fp16": (SGD, {"mode": "async", "compression": "fp16", "shared_memory": False}),
+    # Scaled sign with error feedback on every push and every sum.
+    "sync_sgd_onebit": (SGD, {"compression": "onebit", "shared_memory": False}),
     # DiLoCo: one local step with plain averaging is sync's maths; 32 local steps
     # (3 rounds of 32, 31 and 32 steps... here 95 = 2 x 32 + 31) with Nesterov.
     "diloco_h1_average": (SGD, {"mode": "diloco", "local_steps": 1, "outer_optimizer": "average"}),
@@ -158,6 +160,16 @@ def test_16_bit_compression_halves_bytes_and_keeps_accuracy(runs, name, ref, acc
     assert m["accuracy"] >= acc - points, (m["accuracy"], acc)
     assert m["ps"]["bytes_pushed"] * 2 == r["ps"]["bytes_pushed"]
     assert m["ps"]["bytes_pulled"] * 2 == r["ps"]["bytes_pulled"]
+
+
+def test_onebit_compression_sends_25_times_fewer_bytes_and_keeps_accuracy(runs):
+    """Every chunk and sum crosses as 1.25 bits a value (a sign, and a scale per 128
+    values); error feedback keeps digits accuracy within 2 points of fp32 sync."""
+    m, r = runs["sync_sgd_onebit"].metrics, runs["sync_sgd"].metrics
+    assert m["accuracy"] >= r["accuracy"] - 0.02, (m["accuracy"], r["accuracy"])
+    for direction in ("bytes_pushed", "bytes_pulled"):
+        ratio = r["ps"][direction] / m["ps"][direction]
+        assert 24.0 <= ratio <= 25.6, (direction, ratio)
 
 
 def test_diloco_with_one_local_step_and_plain_averaging_is_sync_maths(runs):

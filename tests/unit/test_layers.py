@@ -44,6 +44,7 @@ LAYER_OF = {
     "_types": LEAVES,
     "_errors": LEAVES,
     "_dtypes": LEAVES,
+    "_lossy": LEAVES,
     "_stats": LEAVES,
     "_shm": LEAVES,
     "_ray_compat": LEAVES,

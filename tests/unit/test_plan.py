@@ -10,7 +10,9 @@ OWN_ROUTES = [Route(0, direct=False), Route(1, direct=True)]
 
 
 def _plan(routes, local, reaches=None, on_gpu=False, offset=0, numel=2048):
-    return plan_bucket(LAYOUT, routes, frozenset(local), reaches, offset, numel, 4, 2, on_gpu)
+    return plan_bucket(
+        LAYOUT, routes, frozenset(local), reaches, offset, numel, 4, lambda n: 2 * n, on_gpu
+    )
 
 
 def test_every_piece_is_in_exactly_one_send_and_answers_are_taken_in_byte_order():
