@@ -11,7 +11,9 @@ run (``CosineAnnealingLR``), as the DiLoCo paper does for its inner optimizer;
 - ``diloco_h{1,8,32,128}``: ``mode="diloco"``, synchronous rounds, Nesterov outer
   step with the paper's defaults (lr 0.7, momentum 0.9); at H = 32 also half that
   outer lr (``diloco_h32_olr0.35``), plain averaging (``diloco_h32_average``) and
-  one round of delay (``diloco_h32_overlap``);
+  one round of delay (``diloco_h32_overlap``), and rounds quantized
+  (``diloco_h32_int8``, ``diloco_h32_int4``: the changes as 8- or 4-bit levels with
+  error feedback, the replies as bf16; every round by message);
 - ``ddp_bf16``: DDP with torch's ``bf16_compress_hook``; ``ps_sync_bf16``,
   ``ps_sync_onebit``, ``ps_sync_topk`` (1% of values) and ``ps_sync_topk10``
   (10%): sync parameter servers with ``compression`` set, every chunk by message
@@ -31,7 +33,8 @@ wall time.
     python benchmarks/diloco_digits.py --quick    # smoke run
 
 The compression run writes ``--variants
-ddp,ddp_bf16,ps_sync,ps_sync_bf16,ps_sync_onebit,ps_sync_topk,ps_sync_topk10 --out
+ddp,ddp_bf16,ps_sync,ps_sync_bf16,ps_sync_onebit,ps_sync_topk,ps_sync_topk10,diloco_h32,
+diloco_h32_int8,diloco_h32_int4 --out
 benchmarks/results/compression_digits.json --plot docs/img/compression_digits.png``.
 The cosine run writes ``--out benchmarks/results/diloco_digits_cosine.json --plot
 docs/img/diloco_digits_cosine.png``.
@@ -94,6 +97,9 @@ VARIANTS: dict[str, tuple[dict[str, Any], bool]] = {
     "diloco_h32_olr0.35": (_diloco(32, outer_lr=0.35), False),
     "diloco_h32_average": (_diloco(32, outer_optimizer="average"), False),
     "diloco_h32_overlap": (_diloco(32, diloco_overlap=True), False),
+    # Quantized round changes (replies as bf16), every round by message.
+    "diloco_h32_int8": (_diloco(32, compression="int8", shared_memory=False), False),
+    "diloco_h32_int4": (_diloco(32, compression="int4", shared_memory=False), False),
     "ddp_straggler": ({"strategy": "ddp"}, True),
     "diloco_h32_straggler": (_diloco(32), True),
     "diloco_async_h32_straggler": (_diloco(32, diloco_rounds="async", staleness=2), True),
@@ -190,6 +196,12 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--quick", action="store_true", help="1 seed, 256 steps")
     p.add_argument("--out", default="benchmarks/results/diloco_digits.json")
     p.add_argument("--plot", default="docs/img/diloco_digits.png")
+    p.add_argument(
+        "--link-result",
+        help="a net_step_time.py result (name in benchmarks/results): also plot each "
+        "variant's mean accuracy against steps x its step time there, into --tta-plot",
+    )
+    p.add_argument("--tta-plot", default="docs/img/compression_tta.png")
     args = p.parse_args()
     if args.quick:
         args.seeds, args.steps = 1, 256
@@ -281,6 +293,8 @@ def main() -> None:
     summary = summarize(curves, names, args)
     out = _common.write_json(args.out, summary)
     _plot(curves, args)
+    if args.link_result:
+        _plot_link_time(curves, args)
     print_table(summary, names)
     print(f"wrote {out} and {args.plot}")
 
@@ -312,6 +326,32 @@ def _plot(curves: dict[str, list[list[list[float]]]], args: argparse.Namespace) 
     Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(args.plot, dpi=110)
+
+
+def _plot_link_time(curves: dict[str, list[list[list[float]]]], args: argparse.Namespace) -> None:
+    """Mean accuracy over seeds against steps x the variant's step on a shaped link."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    net = json.loads((Path(__file__).parent / "results" / f"{args.link_result}.json").read_text())
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for name, runs in curves.items():
+        step_ms = net["mean_step_ms"].get(name)
+        if step_ms is None:
+            continue
+        steps = [s for s, _, _ in runs[0]]
+        acc = [statistics.fmean(points) for points in zip(*([a for *_, a in r] for r in runs))]
+        ax.plot([s * step_ms / 1e3 for s in steps], acc, marker=".", label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel(f"time at {net['rate']} (s, log): steps x the measured step on the bed")
+    ax.set_ylabel(f"test accuracy (mean of {args.seeds} seeds)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.suptitle(f"digits, 2 workers; step times from {args.link_result}")
+    fig.tight_layout()
+    fig.savefig(args.tta_plot, dpi=110)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ Variants (run in alternation within each round, so drifts hit them alike):
   rounds). Their warm-up and timed steps are rounded up to whole rounds (at least
   two timed rounds), so the mean holds every round's transfer.
   ``ps_diloco_h32_bf16``: H = 32 with ``compression="bf16"``;
+  ``ps_diloco_h32_int8`` / ``ps_diloco_h32_int4``: H = 32, round changes as 8- or
+  4-bit levels with error feedback, replies as bf16;
   ``ps_diloco_h32_overlap``: H = 32 with ``diloco_overlap=True``;
   ``ps_diloco_h32_noagg``: H = 32 without node relays (``node_aggregation=False``).
 - ``compute``: no synchronisation at all (the floor; not run by default).
@@ -114,6 +116,14 @@ VARIANTS: dict[str, tuple[dict[str, Any], str | None, bool]] = {
         None,
         True,
     ),
+    **{
+        f"ps_diloco_h32_{q}": (
+            {"strategy": "ps", "mode": "diloco", "local_steps": 32, "compression": q},
+            None,
+            True,
+        )
+        for q in ("int8", "int4")
+    },
     "ps_diloco_h32_overlap": (
         {"strategy": "ps", "mode": "diloco", "local_steps": 32, "diloco_overlap": True},
         None,

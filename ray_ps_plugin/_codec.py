@@ -3,8 +3,9 @@ one of the lossy encodings with error feedback.
 
 With ``PSConfig(compression="bf16" | "fp16")`` every tensor that travels (gradient
 chunks and sums in sync mode, deltas and parameters in async/ssp) is sent as 16-bit
-values, halving the bytes. With ``"onebit"`` or ``"topk"`` (sync only) the dense
-gradient chunks and their sums are sent in a lossy encoding of
+values, halving the bytes. With ``"onebit"`` or ``"topk"`` (sync) the dense
+gradient chunks and their sums, with ``"int8"`` or ``"int4"`` (diloco) the round
+changes, are sent in a lossy encoding of
 :mod:`ray_ps_plugin._lossy`, each sender keeping what the encoding dropped per
 chunk (the ``key`` arguments below); sparse rows then travel as fp32. The shards
 decode to the model's dtype (at least fp32) and keep their sums and master
@@ -35,13 +36,18 @@ if TYPE_CHECKING:
 
 __all__ = ["Codec", "as_torch", "to_numpy"]
 
-# The torch dtype values are sent in; the lossy encodings start from fp32.
-_WIRE: dict[Compression | None, str] = {
-    None: "float32",
-    "fp16": "float16",
-    "bf16": "bfloat16",
-    "onebit": "float32",
-    "topk": "float32",
+# The torch dtype of values in messages without a lossy encoding.
+_WIRE: dict[Compression | None, str] = {None: "float32", "fp16": "float16", "bf16": "bfloat16"}
+# What travels without a chunk key (sparse rows; diloco's replies, which are
+# parameters, not changes) under each compression.
+_PLAIN: dict[Compression | None, Compression | None] = {
+    None: None,
+    "fp16": "fp16",
+    "bf16": "bf16",
+    "onebit": None,
+    "topk": None,
+    "int8": "bf16",
+    "int4": "bf16",
 }
 _LOSSY_BYTES = np.dtype(np.uint8)
 
@@ -70,16 +76,18 @@ class Codec:
 
     Args:
         compression: ``None`` (the model's dtype in messages), ``"fp16"``, ``"bf16"``,
-            ``"onebit"`` or ``"topk"``.
+            ``"onebit"``, ``"topk"`` (sync's gradient chunks), ``"int8"`` or
+            ``"int4"`` (diloco's round changes; its replies, parameters, as bf16).
         topk_ratio: The fraction of values ``"topk"`` sends.
     """
 
     def __init__(
         self, compression: Compression | None, topk_ratio: float = DEFAULT_TOPK_RATIO
     ) -> None:
-        if compression not in _WIRE:
+        if compression not in _PLAIN:
             raise ValueError(f"unknown compression {compression!r}")
         self.compression = compression
+        self._plain = _PLAIN[compression]
         self.topk_ratio = topk_ratio
         lossy = lossy_encoding(compression, topk_ratio) if compression else None
         # Per process: the errors of what this worker or shard sent, by chunk.
@@ -90,14 +98,16 @@ class Codec:
 
     @property
     def encoded_dtype(self) -> torch.dtype:
-        """The torch dtype of compressed values in messages (fp32 when uncompressed)."""
+        """The torch dtype of values in messages without a lossy encoding (fp32 when
+        uncompressed)."""
         import torch
 
-        return getattr(torch, _WIRE[self.compression])
+        return getattr(torch, _WIRE[self._plain])
 
     @property
     def active(self) -> bool:
-        return self.compression is not None
+        """Whether values without a lossy encoding are narrowed in messages."""
+        return self._plain is not None
 
     @property
     def lossy(self) -> bool:
@@ -109,9 +119,12 @@ class Codec:
         (``uint8`` for the lossy encodings' bytes)."""
         if self.feedback is not None:
             return _LOSSY_BYTES
-        if self.compression == "bf16":
+        return self._plain_np_dtype(dtype)
+
+    def _plain_np_dtype(self, dtype: str) -> np.dtype:
+        if self._plain == "bf16":
             return BF16_BITS
-        return np.dtype(np.float16) if self.compression == "fp16" else storage(dtype)
+        return np.dtype(np.float16) if self._plain == "fp16" else storage(dtype)
 
     def encoded_nbytes(self, dtype: str, n: int) -> int:
         """Bytes of a message carrying ``n`` values of model dtype ``dtype``."""
@@ -161,12 +174,13 @@ class Codec:
     ) -> np.ndarray:
         """Shard side: a fresh encoded array of ``values`` (or ``out``, filled), which
         are in the dtype shards compute in for model dtype ``dtype`` (a copy when
-        nothing changes). With a lossy compression, a dense chunk's sum (``key``
-        names it) is encoded with the shard's error for it fed back; anything
-        without a key (sparse rows) is sent as it is."""
-        if self.feedback is not None:
-            return values if key is None else self.feedback.encode(key, values)[0]
-        encoded = self.encoded_np_dtype(dtype)
+        nothing changes). With a lossy compression, a dense chunk's sum or a
+        relayed change (``key`` names it) is encoded with this sender's error for it
+        fed back; anything without a key as the compression's plain format says
+        (fp32 for onebit and topk, bf16 for int8 and int4)."""
+        if self.feedback is not None and key is not None:
+            return self.feedback.encode(key, values)[0]
+        encoded = self._plain_np_dtype(dtype)
         if out is None:
             out = np.empty(values.shape, encoded)
         if encoded == values.dtype:
@@ -182,7 +196,9 @@ class Codec:
         """Shard side: ``values`` (in the dtype shards compute in for model dtype
         ``dtype``) as they are sent: encoded where the encoding differs, else
         themselves."""
-        return self.encode_np(values, dtype) if self.converts(dtype) else values
+        if self._plain_np_dtype(dtype) == np.dtype(widened(dtype)):
+            return values
+        return self.encode_np(values, dtype)
 
     def decode_np(self, arr: np.ndarray, dtype: str = "float32") -> np.ndarray:
         """Shard side: the values of an encoded array in the dtype shards compute in for

@@ -9,6 +9,9 @@ sums that cross a message in one of these encodings instead of 32 or 16 bits:
   (least squares). 1.25 bits a value: 25.6x fewer bytes than fp32.
 - **topk**: the ``k = ceil(ratio * n)`` values of largest magnitude with their
   indices (4 + 4 bytes each); the rest decode as zero.
+- **int8 / int4** (DiLoCo's round changes, as OpenDiLoCo and torchft quantize
+  them): each value rounded to the nearest of 255 or 15 levels spread evenly over
+  its block's largest magnitude (a float32 scale per :data:`BLOCK` values).
 
 Both are biased and lose most of what they are given, so each sender keeps what
 its encoding dropped and adds it to what it sends next time (*error feedback*:
@@ -30,20 +33,19 @@ from typing import Literal
 
 import numpy as np
 
-__all__ = ["BLOCK", "ErrorFeedback", "Lossy", "OneBit", "TopK", "lossy_encoding"]
+__all__ = ["BLOCK", "ErrorFeedback", "IntLevels", "Lossy", "OneBit", "TopK", "lossy_encoding"]
 
-LossyName = Literal["onebit", "topk"]
+LossyName = Literal["onebit", "topk", "int8", "int4"]
 
 #: Values per scale in the onebit encoding: 4 bytes of scale per 16 bytes of signs.
 #: A bucket's chunk runs across layers whose gradients differ in size by orders of
-#: magnitude; on the digits MLP (benchmarks/diloco_digits.py's model, 640 steps, 3
-#: seeds, every chunk compressed) one scale per 1024 values ended 5.4 points below
-#: uncompressed (one seed diverged to 0.83), per 128 values 0.5 below.
+#: magnitude: a scale shared by a weight matrix's and a bias's gradients fits
+#: neither, so blocks are small.
 BLOCK = 128
 _F32 = np.dtype(np.float32)
 # Header: (encoding id, value count), two little-endian uint32s.
 _HEADER = 8
-_IDS = {"onebit": 1, "topk": 2}
+_IDS = {"onebit": 1, "topk": 2, "int8": 3, "int4": 4}
 
 
 class Lossy:
@@ -160,6 +162,61 @@ class TopK(Lossy):
         return values
 
 
+class IntLevels(Lossy):
+    """Signed integers of ``bits`` bits (8 or 4) with a float32 scale per
+    :data:`BLOCK` values: the block's largest magnitude over the largest level.
+
+    Args:
+        bits: 8 (levels -127..127, one byte each) or 4 (levels -7..7, two a byte).
+    """
+
+    def __init__(self, bits: Literal[8, 4]) -> None:
+        if bits not in (8, 4):
+            raise ValueError(f"integer levels of 8 or 4 bits, got {bits!r}")
+        self.bits = bits
+        self.name = "int8" if bits == 8 else "int4"
+        self._top = 127 if bits == 8 else 7
+
+    def nbytes(self, n: int) -> int:
+        return _HEADER + 4 * math.ceil(n / BLOCK) + math.ceil(n * self.bits / 8)
+
+    def encode(self, values: np.ndarray) -> np.ndarray:
+        n = values.size
+        blocks = math.ceil(n / BLOCK)
+        out = self._header(n, self.nbytes(n) - _HEADER)
+        scales = out[_HEADER : _HEADER + 4 * blocks].view(_F32)
+        if not n:
+            return out
+        np.maximum.reduceat(np.abs(values), np.arange(0, n, BLOCK), out=scales)
+        scales /= self._top
+        # A block of zeros keeps scale 0 and levels 0 (no division by it).
+        per_value = np.repeat(np.where(scales > 0, scales, 1.0).astype(_F32), BLOCK)[:n]
+        levels = np.rint(values / per_value).clip(-self._top, self._top).astype(np.int8)
+        body = out[_HEADER + 4 * blocks :]
+        if self.bits == 8:
+            body[:] = levels.view(np.uint8)
+        else:
+            # Two levels a byte, each stored + 8 (1..15), the first in the low nibble.
+            biased = (levels + 8).astype(np.uint8)
+            if n % 2:
+                biased = np.append(biased, np.uint8(8))
+            body[:] = biased[0::2] | (biased[1::2] << 4)
+        return out
+
+    def decode(self, data: np.ndarray) -> np.ndarray:
+        n = self._count(data)
+        blocks = math.ceil(n / BLOCK)
+        scales = data[_HEADER : _HEADER + 4 * blocks].view(_F32)
+        body = data[_HEADER + 4 * blocks :]
+        if self.bits == 8:
+            levels = body.view(np.int8).astype(_F32)
+        else:
+            pairs = np.empty(2 * body.size, np.uint8)
+            pairs[0::2], pairs[1::2] = body & 0x0F, body >> 4
+            levels = pairs[:n].astype(_F32) - 8.0
+        return levels * np.repeat(scales, BLOCK)[:n]
+
+
 def _block_sizes(n: int) -> np.ndarray:
     sizes = np.full(math.ceil(n / BLOCK), BLOCK, _F32)
     sizes[-1] = n - BLOCK * (sizes.size - 1)
@@ -173,6 +230,8 @@ def lossy_encoding(name: str, topk_ratio: float) -> Lossy | None:
         return OneBit()
     if name == "topk":
         return TopK(topk_ratio)
+    if name in ("int8", "int4"):
+        return IntLevels(8 if name == "int8" else 4)
     return None
 
 

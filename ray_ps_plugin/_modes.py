@@ -75,9 +75,9 @@ class ModeSpec:
         replicates: Whether ``PSConfig.shard_replicas`` can hold the shards' state
             twice (async, ssp: a replica replays every applied update).
         compressions: The ``PSConfig.compression`` values the mode takes: the 16-bit
-            ones everywhere; the lossy ones with error feedback only where every
-            step's sum reaches every worker alike (sync), so each sender's error
-            is what it alone has not sent yet.
+            ones everywhere; a lossy one with error feedback only where what is
+            sent is a change that adds up (sync's gradients, diloco's round
+            changes), not async's parameters read at each worker's own moment.
         table_copies: With the tables stepped on the shards, whether every worker
             keeps its copy written from the shards' answers (sync: every step waits
             for all workers, so the copies stay equal) or looks the rows it needs
@@ -162,6 +162,7 @@ _DILOCO = ModeSpec(
     uses_reducer=False,
     connect=connect_round_relays,
     max_concurrency=_ASYNC.max_concurrency,  # the same calls as async/ssp
+    compressions=frozenset({"bf16", "fp16", "int8", "int4"}),
     tables_on_shards=False,
     bound=_round_bound,
     replicates=False,

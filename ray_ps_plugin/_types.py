@@ -38,7 +38,7 @@ __all__ = [
 Strategy = Literal["ddp", "ps"]
 Mode = Literal["sync", "async", "ssp", "diloco"]
 NanPolicy = Literal["raise", "skip", "ignore"]
-Compression = Literal["bf16", "fp16", "onebit", "topk"]
+Compression = Literal["bf16", "fp16", "onebit", "topk", "int8", "int4"]
 ServerPlacement = Literal["auto", "worker", "node"]
 DataPath = Literal["tcp", "object_store"]
 OuterOptimizer = Literal["nesterov", "average"]
@@ -56,7 +56,7 @@ ROUND_MODES: tuple[RoundMode, ...] = get_args(RoundMode)
 SPARSE_OPTIMIZERS: tuple[SparseOptimizer, ...] = get_args(SparseOptimizer)
 
 #: The compressions that drop information and so keep an error per sender.
-LOSSY_COMPRESSIONS: frozenset[Compression] = frozenset({"onebit", "topk"})
+LOSSY_COMPRESSIONS: frozenset[Compression] = frozenset({"onebit", "topk", "int8", "int4"})
 
 #: The fraction of each chunk's values ``compression="topk"`` sends when
 #: ``PSConfig.topk_ratio`` is not given.

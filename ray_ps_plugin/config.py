@@ -94,7 +94,9 @@ class PSConfig(TorchConfig):
             the shard for its sums): ``"onebit"`` (a sign bit per value and a
             scale per 128 values: 25.6x fewer bytes than fp32) and ``"topk"``
             (the ``topk_ratio`` largest values of each chunk with their indices).
-            They take fp32 models; sparse rows then travel as fp32. See
+            Diloco takes ``"int8"`` and ``"int4"``: each round's change as 8- or
+            4-bit levels with error feedback across rounds, the replies as bf16.
+            The lossy ones take fp32 models; sparse rows then travel as fp32. See
             docs/compression.md for which to pick.
         topk_ratio: The fraction of each chunk's values ``compression="topk"``
             sends (8 bytes each: index and value), in (0, 1].

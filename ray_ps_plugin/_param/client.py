@@ -65,7 +65,7 @@ class ParamClient(ClientBase):
         # With "raise" the update is checked inside the delta pass (see _advance),
         # not the gradients before the step: one pass over the parameters fewer.
         super().__init__(setup, setup.num_shards, check_local=setup.settings.nan_policy != "raise")
-        self._codec = Codec(setup.settings.compression)
+        self._codec = Codec(setup.settings.compression, setup.settings.topk_ratio)
         self._staleness = setup.staleness
         self._transport = transport
         params = list(setup.params)
@@ -264,18 +264,23 @@ class ParamClient(ClientBase):
         self._clock += 1
         slot = self._clock % 2
         by_message = len(self._lanes) < self.num_shards
-        delta = self._codec.encode(self._flat.delta) if by_message else None
-        handles = []
+        lossy = self._codec.lossy
+        delta = self._codec.encode(self._flat.delta) if by_message and not lossy else None
+        handles, sent = [], list(self._slice_bytes)
         for s, (a, b) in enumerate(self._slices()):
             if s not in self._lanes:
-                assert delta is not None
-                handles.append(self._push_by_message(s, delta[a:b], self._clock))
+                if delta is None:  # lossy (diloco's int4/8): per slice, its error kept
+                    part = self._codec.encode_chunk(s, self._flat.delta[a:b])
+                else:
+                    part = delta[a:b]
+                sent[s] = part.nbytes
+                handles.append(self._push_by_message(s, part, self._clock))
                 continue
             handles.append(self._lane_calls.push(s, self._clock, slot))
         with self._lock:
             self._stats.clock = self._clock
             self._stats.pushes += len(handles)
-            for s, nbytes in enumerate(self._slice_bytes):
+            for s, nbytes in enumerate(sent):
                 self._count_push(s, nbytes)
         return handles
 

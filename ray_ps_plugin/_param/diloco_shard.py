@@ -253,7 +253,8 @@ class DilocoShard(ParamShard):
         model, owner, clock = key
         assert group.total is not None and group.answer is not None
         try:
-            total = self._codec.encode_np(group.total.numpy(), dtype)
+            # Quantized rounds: the relay keeps the error of its node's sum per owner.
+            total = self._codec.encode_np(group.total.numpy(), dtype, key=(model, owner))
             self._bytes_out += total.nbytes
             call = self._peers[owner].push_pull_many.remote(
                 model, sorted(group.ranks), clock, total

@@ -53,6 +53,11 @@ FITS = {
     # (3 rounds of 32, 31 and 32 steps... here 95 = 2 x 32 + 31) with Nesterov.
     "diloco_h1_average": (SGD, {"mode": "diloco", "local_steps": 1, "outer_optimizer": "average"}),
     "diloco_h32": (SGD, {"mode": "diloco", "local_steps": 32}),
+    # Round changes as 4-bit levels with error feedback, every round by message.
+    "diloco_h32_int4": (
+        SGD,
+        {"mode": "diloco", "local_steps": 32, "compression": "int4", "shared_memory": False},
+    ),
     "diloco_async_straggler": (
         {**SGD, **STRAGGLER, "out_dir": "diloco"},
         {"mode": "diloco", "local_steps": 8, "diloco_rounds": "async", "staleness": 2},
@@ -172,6 +177,12 @@ def test_onebit_compression_sends_25_times_fewer_bytes_and_keeps_accuracy(runs):
         assert 24.0 <= ratio <= 25.6, (direction, ratio)
 
 
+def test_diloco_int4_rounds_push_7_5_times_fewer_bytes(runs):
+    m, r = runs["diloco_h32_int4"].metrics["ps"], runs["diloco_h32"].metrics["ps"]
+    assert 7.3 <= r["bytes_pushed"] / m["bytes_pushed"] <= 7.5
+    assert m["clock"] == r["clock"]  # the same rounds
+
+
 def test_diloco_with_one_local_step_and_plain_averaging_is_sync_maths(runs):
     sync, diloco = loops.load_state(runs["sync_sgd"]), loops.load_state(runs["diloco_h1_average"])
     diff = max((sync[k] - diloco[k]).abs().max().item() for k in sync)
@@ -180,7 +191,8 @@ def test_diloco_with_one_local_step_and_plain_averaging_is_sync_maths(runs):
 
 
 @pytest.mark.parametrize(
-    ("name", "points"), [("diloco_h32", 0.01), ("diloco_async_straggler", 0.02)]
+    ("name", "points"),
+    [("diloco_h32", 0.01), ("diloco_h32_int4", 0.01), ("diloco_async_straggler", 0.02)],
 )
 def test_diloco_reaches_sync_accuracy(runs, name, points):
     m, ref = runs[name].metrics, runs["sync_sgd"].metrics

@@ -39,4 +39,4 @@ def test_bf16_travels_as_int16_bit_patterns():
 
 def test_unknown_compression_is_refused():
     with pytest.raises(ValueError):
-        Codec("int8")
+        Codec("int2")

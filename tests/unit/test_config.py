@@ -92,7 +92,9 @@ def test_nan_policy_is_validated():
 def test_compression_and_server_placement_are_validated():
     cfg = PSConfig(compression="bf16", server_placement="node")
     assert cfg.to_dict()["compression"] == "bf16"
-    with pytest.raises(ValueError, match="compression='int8' is unknown"):
+    with pytest.raises(ValueError, match="compression='int2' is unknown"):
+        PSConfig(compression="int2")
+    with pytest.raises(ValueError, match="compression='int8' does not apply to mode='sync'"):
         PSConfig(compression="int8")
     with pytest.raises(ValueError, match="server_placement='rack' is unknown"):
         PSConfig(server_placement="rack")

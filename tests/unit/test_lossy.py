@@ -10,7 +10,7 @@ import torch
 from ray_ps_plugin import PSConfig
 from ray_ps_plugin._codec import Codec
 from ray_ps_plugin._ddp import check_supported
-from ray_ps_plugin._lossy import BLOCK, ErrorFeedback, OneBit, TopK
+from ray_ps_plugin._lossy import BLOCK, ErrorFeedback, IntLevels, OneBit, TopK
 from tests.unit.fakes import FakeBucket, in_threads
 from tests.unit.test_client import _clients
 
@@ -53,6 +53,23 @@ def test_topk_sends_the_largest_magnitudes_with_their_indices(ratio):
     assert np.abs(np.delete(v, kept)).max(initial=0) <= np.abs(v[kept]).min()
 
 
+@pytest.mark.parametrize(("bits", "top"), [(8, 127), (4, 7)])
+@pytest.mark.parametrize("n", [1, 7, BLOCK, 3 * BLOCK + 17])
+def test_integer_levels_round_each_value_to_its_blocks_nearest_level(bits, top, n):
+    v = _values(n, seed=n)
+    v[: min(n, 3)] = 0.0  # zeros stay zeros
+    codec = IntLevels(bits)
+    encoded = codec.encode(v)
+    assert encoded.size == codec.nbytes(n) == 8 + 4 * math.ceil(n / BLOCK) + math.ceil(n * bits / 8)
+    decoded = codec.decode(encoded)
+    for lo in range(0, n, BLOCK):
+        block = slice(lo, min(n, lo + BLOCK))
+        step = np.abs(v[block]).max() / top
+        assert np.abs(decoded[block] - v[block]).max() <= step / 2 * (1 + 1e-5) + 1e-12
+    assert not decoded[: min(n, 3)].any()
+    assert 4 * 4096 / IntLevels(4).nbytes(4096) == pytest.approx(7.50, abs=0.01)
+
+
 def test_a_chunk_of_another_encoding_is_refused_by_name():
     with pytest.raises(ValueError, match=r"disagree on PSConfig\.compression"):
         TopK(0.1).decode(OneBit().encode(_values(100)))
@@ -62,7 +79,9 @@ def test_a_chunk_of_another_encoding_is_refused_by_name():
         TopK(0.0)
 
 
-@pytest.mark.parametrize("encoding", [OneBit(), TopK(0.01)], ids=["onebit", "topk"])
+@pytest.mark.parametrize(
+    "encoding", [OneBit(), TopK(0.01), IntLevels(4)], ids=["onebit", "topk", "int4"]
+)
 def test_error_feedback_loses_nothing_but_the_error_it_holds(encoding):
     """After N steps the sum of what was decoded differs from the sum of what was
     given by exactly the error still held: at most one step's loss."""
@@ -76,8 +95,8 @@ def test_error_feedback_loses_nothing_but_the_error_it_holds(encoding):
     error = feedback.error("chunk")
     assert error is not None
     np.testing.assert_allclose(decoded + error, given, atol=1e-3)
-    if isinstance(encoding, OneBit):
-        # Scaled sign sends something of every value each step: its error stays
+    if not isinstance(encoding, TopK):
+        # Sign and levels send something of every value each step: the error stays
         # far below the sum given (which grows as sqrt(steps)).
         assert np.abs(error).max() < 0.2 * np.abs(given).max()
 
@@ -92,7 +111,7 @@ def test_codec_encodes_dense_chunks_lossily_and_everything_else_as_fp32():
     # Sparse rows carry no key: fp32, unchanged.
     assert codec.encode(v).dtype == np.float32
     rows = v.numpy()
-    assert codec.encode_np(rows) is rows and codec.as_sent_np(rows) is rows
+    assert np.array_equal(codec.encode_np(rows), rows) and codec.as_sent_np(rows) is rows
     # A codec crosses processes without its errors.
     again = pickle_roundtrip(Codec("topk", 0.05))
     assert again.topk_ratio == 0.05 and again.lossy and again.feedback.error("x") is None
@@ -175,6 +194,9 @@ def test_lossy_compression_is_validated_by_mode_and_model_dtype():
     assert PSConfig(compression="topk", topk_ratio=0.05).topk_ratio == 0.05
     with pytest.raises(ValueError, match="compression='onebit' does not apply to mode='async'"):
         PSConfig(mode="async", compression="onebit")
+    assert PSConfig(mode="diloco", compression="int4").compression == "int4"
+    with pytest.raises(ValueError, match=r"'int4' is for the modes \['diloco'\]"):
+        PSConfig(mode="sync", compression="int4")
     with pytest.raises(ValueError, match=r"topk_ratio .* in \(0, 1\]"):
         PSConfig(compression="topk", topk_ratio=2.0)
     with pytest.raises(ValueError, match="topk_ratio"):

@@ -38,3 +38,45 @@ def net_bytes_fraction(variant: str, result: str) -> str:
     """Rank 0's link bytes per step of ``variant`` as a fraction of DDP's, e.g. ``1/37.2``."""
     mb = read_json(result)["rank0_link_mb_per_step"]
     return f"1/{mb['ddp'] / mb[variant]:.1f}"
+
+
+def _mean_curve(curves: list[list[list[float]]]) -> list[tuple[int, float]]:
+    """(step, accuracy) of a variant's curves, the accuracy the mean over seeds."""
+    return [(int(points[0][0]), sum(p[2] for p in points) / len(points)) for points in zip(*curves)]
+
+
+def time_to_accuracy(digits: str, net: str) -> str:
+    """Per variant run in both: its step time on the shaped link (``net``), its final
+    digits accuracy (``digits``), and the steps and link time it takes its mean curve
+    to reach DDP's final accuracy less one point."""
+    d, n = read_json(digits), read_json(net)
+    target = d["final_accuracy"]["ddp"] - 0.01
+    rows = []
+    for v, curves in d["curves"].items():
+        ms = n["mean_step_ms"].get(v)
+        if ms is None:
+            continue
+        reached = next((s for s, acc in _mean_curve(curves) if acc >= target), None)
+        rows.append(
+            [
+                f"`{v}`",
+                f"{ms:.0f}",
+                f"{d['final_accuracy'][v]:.3f}",
+                "not reached" if reached is None else str(reached),
+                "n/a" if reached is None else f"{reached * ms / 1e3:.1f}",
+            ]
+        )
+    header = [
+        "variant",
+        f"step on the {n['rate']} bed (ms)",
+        "final accuracy (mean of seeds)",
+        f"steps to {target:.3f} (DDP's final − 1 point)",
+        f"time to it at {n['rate']} (s)",
+    ]
+    sources = f"`benchmarks/results/{digits}.json` and `benchmarks/results/{net}.json`"
+    note = (
+        f"From {sources}: steps are those of the first evaluation (every 32 steps) "
+        "at which the mean over seeds reaches the target; time is those steps × the "
+        "variant's measured step on the bed."
+    )
+    return note + "\n\n" + _table(header, rows)

@@ -14,6 +14,9 @@ NET_LABELS = {
     "ddp_bf16": "DDP + torch `bf16_compress_hook`",
     "ps_sync": "PS sync",
     "ps_sync_bf16": 'PS sync, `compression="bf16"`',
+    "ps_sync_onebit": 'PS sync, `compression="onebit"`',
+    "ps_sync_topk": 'PS sync, `compression="topk"` (1%)',
+    "ps_sync_topk10": 'PS sync, `compression="topk"`, `topk_ratio=0.1`',
     "ps_sync_store": 'PS sync, `data_path="object_store"`',
     "ps_sync_bf16_store": 'PS sync, bf16, `data_path="object_store"`',
     "ps_sync_noagg": "PS sync, `node_aggregation=False`",
@@ -27,6 +30,8 @@ NET_LABELS = {
     "ps_sync_raycall": "PS sync, shared-memory notices as Ray calls (earlier design)",
     **{f"ps_diloco_h{h}": f"PS DiLoCo, `local_steps={h}`" for h in (1, 8, 32, 128)},
     "ps_diloco_h32_bf16": 'PS DiLoCo, `local_steps=32`, `compression="bf16"`',
+    "ps_diloco_h32_int8": 'PS DiLoCo, `local_steps=32`, `compression="int8"`',
+    "ps_diloco_h32_int4": 'PS DiLoCo, `local_steps=32`, `compression="int4"`',
     "ps_diloco_h32_overlap": "PS DiLoCo, `local_steps=32`, `diloco_overlap=True`",
     "ps_diloco_h32_noagg": "PS DiLoCo, `local_steps=32`, `node_aggregation=False`",
     "compute": "compute only (no synchronisation)",
@@ -86,10 +91,11 @@ def _net_bytes_model(variant: str, nodes: int, k: int, model_bytes: float) -> fl
     whose shards split the stream evenly over the nodes: without node aggregation each
     of a node's ``k`` workers sends the other nodes' ranges and receives their sums,
     and the node's shards do the same for every remote worker, ``2 k (N - 1) / N`` per
-    direction; with a relay per node the ``k`` becomes 1. bf16 halves everything.
+    direction; with a relay per node the ``k`` becomes 1. bf16 halves everything, the
+    lossy encodings scale it by what they send per fp32 byte.
     """
     w = nodes * k
-    half = 0.5 if "bf16" in variant else 1.0
+    half = _encoded_fraction(variant)
     if variant.startswith("ddp"):
         per_direction = 2 * (w - 1) / w
     elif variant.startswith("ps_sync"):
@@ -98,6 +104,21 @@ def _net_bytes_model(variant: str, nodes: int, k: int, model_bytes: float) -> fl
     else:
         return None
     return 2 * per_direction * model_bytes * half
+
+
+def _encoded_fraction(variant: str) -> float:
+    """Bytes a variant's encoding sends per byte of fp32, by the encoding's own
+    arithmetic on the 1 MiB chunks that cross nodes (headers and scales included)."""
+    from ray_ps_plugin._lossy import OneBit, TopK
+
+    n = (1 << 20) // 4
+    if variant.endswith("_onebit"):
+        return OneBit().nbytes(n) / (4 * n)
+    if variant.endswith("_topk"):
+        return TopK(0.01).nbytes(n) / (4 * n)
+    if variant.endswith("_topk10"):
+        return TopK(0.1).nbytes(n) / (4 * n)
+    return 0.5 if "bf16" in variant else 1.0
 
 
 def _rate_bytes_per_s(rate: str) -> float:
