@@ -3,8 +3,8 @@
 Every trial runs the same ordinary Ray Train loop; only the trial config differs:
 ``ps_config`` picks a (strategy, mode) pair and ``lr`` the learning rate.
 ``ray_ps_plugin.tune.make_trainable`` turns the loop into a Tune function trainable
-(Ray Train V2's pattern: build the trainer in the trial, report through
-``TuneReportCallback``, call ``fit()``).
+(Ray Train V2's pattern: build the trainer in the trial, forward its reports to Tune,
+call ``fit()``).
 
 Default task: scikit-learn's bundled 8x8 digits and a small MLP (no download).
 ``--model resnet18``: torchvision's ResNet-18 on a few CIFAR-shaped ``FakeData``

@@ -1,10 +1,10 @@
 """Ray Tune sweeps over ``strategy``, ``mode`` and ordinary hyperparameters.
 
 Ray Train V2 runs inside Ray Tune as a *function trainable*: each trial calls a small
-driver function that builds a trainer with
-``ray.tune.integration.ray_train.TuneReportCallback`` in its ``RunConfig`` and calls
-``fit()``. :func:`make_trainable` writes that driver function for a PS/DDP training
-loop, so the strategy and the consistency mode become ordinary search-space entries::
+driver function that builds a trainer whose ``RunConfig`` forwards every report to Tune
+and calls ``fit()``. :func:`make_trainable` writes that driver function for a PS/DDP
+training loop, so the strategy and the consistency mode become ordinary search-space
+entries::
 
     from ray import tune
     from ray.train import ScalingConfig
@@ -34,7 +34,7 @@ from typing import Any
 
 import ray
 import ray.tune
-from ray.train import RunConfig, ScalingConfig
+from ray.train import RunConfig, ScalingConfig, UserCallback
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_ps_plugin._ray_compat import (
@@ -44,6 +44,7 @@ from ray_ps_plugin._ray_compat import (
     trial_storage,
     worker_placement_group,
 )
+from ray_ps_plugin._tune_reports import ReportsToTune
 from ray_ps_plugin.config import PSConfig
 from ray_ps_plugin.trainer import PSTrainer
 
@@ -129,8 +130,10 @@ def make_trainable(
     Each trial builds ``PSConfig`` from its config (see :func:`split_trial_config`),
     runs ``PSTrainer(train_loop_per_worker, ...).fit()`` with the rest of the trial
     config as ``train_loop_config``, and forwards every ``ray.train.report`` to Tune
-    through ``TuneReportCallback`` (a reported checkpoint arrives as the
-    ``checkpoint_path`` metric). A failed run raises, so Tune marks the trial failed.
+    (a reported checkpoint arrives as the ``checkpoint_path`` metric), the last one
+    included: the trial ends only once Tune has taken every report of the run
+    (``ray_ps_plugin._tune_reports`` says why Ray's ``TuneReportCallback`` is not
+    used). A failed run raises, so Tune marks the trial failed.
 
     The Train run is named ``train-trial_id=<trial id>``: unique per trial and stable
     across Tune's trial retries, so a retried trial resumes the same run. Unless
@@ -146,7 +149,7 @@ def make_trainable(
         scaling_config: Workers of every trial's run.
         run_config_kwargs: Further ``ray.train.RunConfig`` arguments
             (``storage_path``, ``failure_config``, ``checkpoint_config``,
-            ``callbacks`` — kept after ``TuneReportCallback``). Not ``name``.
+            ``callbacks`` — kept after the one forwarding reports). Not ``name``.
         ps_config_kwargs: PSConfig fields fixed for all trials, e.g.
             ``{"ps_timeout_s": 30}``; the trial config overrides them.
 
@@ -175,14 +178,17 @@ def make_trainable(
 
     def trainable(config: dict[str, Any]) -> None:
         ps_config, loop_config = split_trial_config(config, ps_defaults)
-        trainer = PSTrainer(
-            train_loop_per_worker,
-            train_loop_config=loop_config,
-            ps_config=ps_config,
-            scaling_config=scaling_config,
-            run_config=_run_config(run_kwargs),
-        )
-        trainer.fit()
+        # Leaving the block waits until Tune has taken every report of the run, so
+        # Tune's end-of-trial marker, sent when this function returns, comes last.
+        with ReportsToTune() as reports:
+            trainer = PSTrainer(
+                train_loop_per_worker,
+                train_loop_config=loop_config,
+                ps_config=ps_config,
+                scaling_config=scaling_config,
+                run_config=_run_config(run_kwargs, reports.callback()),
+            )
+            trainer.fit()
 
     # Tune names the experiment directory and the trials after the function.
     name = getattr(train_loop_per_worker, "__name__", "train_loop")
@@ -191,19 +197,18 @@ def make_trainable(
     return trainable
 
 
-def _run_config(run_kwargs: dict[str, Any]) -> RunConfig:
+def _run_config(run_kwargs: dict[str, Any], report_callback: UserCallback) -> RunConfig:
     """The RunConfig of the current trial's Train run (called inside the trial)."""
-    from ray.tune.integration.ray_train import TuneReportCallback
-
     ctx = ray.tune.get_context()
     kwargs = dict(run_kwargs)
     if "storage_path" not in kwargs:
         # Tune's storage is what the user configured for the sweep (NFS, S3, a tmp
         # dir): each Train run lands beside its trial instead of in ~/ray_results.
         kwargs.update(trial_storage(ctx))
-    # TuneReportCallback needs the Tune session, so it is built here, in the trial.
+    # First, so that user callbacks see each report once it is queued for Tune, as
+    # with Ray's TuneReportCallback.
     kwargs["callbacks"] = [
-        TuneReportCallback(),
+        report_callback,
         *kwargs.get("callbacks", ()),
         _PlacementGroupReaperCallback(),
     ]

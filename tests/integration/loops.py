@@ -364,6 +364,72 @@ def live_reapers() -> int:
     )
 
 
+# --- a trial whose Tune session reads Train reports late ------------------------------
+class _LateEmptyReplies:
+    """Tune's view of Ray's Train-report queue on a loaded machine: an empty reply that
+    reaches Tune's main thread only after a report went in (if one does within
+    ``_REPORT_WAIT_S``), and ``late_s`` later.
+
+    Ray's ``TuneReportCallback`` puts each report on this queue (``queue``, unchanged);
+    Tune's session polls it with ``get`` (Ray 2.60.0: ``_TrainSession.
+    _get_result_from_queues``), then its own result queue.
+    """
+
+    # Bounds each late reply when no report comes (before the first, after the last).
+    _REPORT_WAIT_S = 10.0
+
+    def __init__(self, queue: Any, late_s: float) -> None:
+        self.queue = queue
+        self._late_s = late_s
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        from ray.util.queue import Empty
+
+        try:
+            return self.queue.get(block=block, timeout=timeout)
+        except Empty:
+            if block:
+                deadline = time.monotonic() + self._REPORT_WAIT_S
+                while self.queue.empty() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if not self.queue.empty():
+                    time.sleep(self._late_s)
+            raise
+
+
+def with_late_tune_report_replies(
+    trainable: Callable[[dict[str, Any]], None], late_s: float = 3.0
+) -> Callable[[dict[str, Any]], None]:
+    """``trainable``, run in a trial whose Tune session reads the Train-report queue
+    of Ray's ``TuneReportCallback`` late (see :class:`_LateEmptyReplies`).
+
+    A trainable that forwards reports through that queue loses a run's last report
+    when the run ends within ``late_s`` of it and Tune had taken every earlier report
+    (so the queue was empty when Tune asked): Tune reads the end-of-function marker
+    first. Fails the trial if Ray no longer has the hook, so the injection
+    cannot silently stop injecting.
+    """
+
+    def late_replies(config: dict[str, Any]) -> None:
+        from ray.train._internal.session import _TrainSession
+        from ray.util.queue import Queue
+
+        assert hasattr(_TrainSession, "_get_or_create_inter_actor_queue")
+
+        def queue_with_late_replies(session: Any) -> Any:
+            if session._inter_actor_queue is None:
+                queue = Queue(1, actor_options={"num_cpus": 0})
+                session._inter_actor_queue = _LateEmptyReplies(queue, late_s)
+            # The Train callback gets the queue itself; only Tune's reads are late.
+            return session._inter_actor_queue.queue
+
+        _TrainSession._get_or_create_inter_actor_queue = queue_with_late_replies
+        trainable(config)
+
+    late_replies.__name__ = late_replies.__qualname__ = trainable.__name__
+    return late_replies
+
+
 # --- instrumented shards (test probes live here, not in the product) -----------------
 class _ReadLog:
     """Logs every read a parameter shard answers: (rank, reader's clock, slowest)."""

@@ -97,6 +97,27 @@ def test_nothing_outlives_the_sweep(sweep):
     assert loops.wait_until(lambda: loops.live_reapers() == 0)
 
 
+def test_the_last_report_reaches_tune_when_tune_reads_reports_late(ray_cluster, storage):
+    """CI once ended a trial with ``Result.metrics == {}`` though its run had reported:
+    with Ray's TuneReportCallback, Tune polls the run's reports and the trainable's end
+    in turn, and a loaded machine let the end overtake the last report. Here Tune's
+    session reads that callback's queue late every time (a run reporting once loses
+    its report to that race, deterministically); make_trainable does not send reports
+    through it, so the run's last report reaches Tune."""
+    trainable = loops.with_late_tune_report_replies(
+        make_trainable(loops.tune_loop, SCALING, ps_config_kwargs=PS_TIMEOUTS)
+    )
+    results = tune.Tuner(
+        trainable,
+        param_space={"strategy": "ddp", "lr": 0.05, "iterations": 1},
+        run_config=tune.RunConfig(storage_path=storage, name="late", verbose=0),
+    ).fit()
+    assert not results.errors, results.errors
+    m = results[0].metrics
+    assert m["training_iteration"] == 1 and "loss" in m, m
+    assert os.path.exists(os.path.join(m["checkpoint_path"], "model.pt")), m
+
+
 def test_asha_stopped_trials_leave_no_shard_or_placement_group(ray_cluster, storage):
     # One trial at a time, better one first: the second scores below the cutoff of
     # rung 1 (iteration 1 of 6) and ASHA stops it while its workers still train.

@@ -24,6 +24,7 @@ LAYER_OF = {
     "_backend": DDP,
     "_placement": DDP,
     "_keeper": DDP,
+    "_tune_reports": DDP,
     "_modes": RUN,
     "_runtime": RUN,
     "_optim_hooks": RUN,
