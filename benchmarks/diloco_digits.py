@@ -198,8 +198,9 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--plot", default="docs/img/diloco_digits.png")
     p.add_argument(
         "--link-result",
-        help="a net_step_time.py result (name in benchmarks/results): also plot each "
-        "variant's mean accuracy against steps x its step time there, into --tta-plot",
+        help="net_step_time.py results (comma-separated names in benchmarks/results): "
+        "also plot each variant's mean accuracy against steps x its step time in the "
+        "first that ran it (diloco_h32 as ps_diloco_h32), into --tta-plot",
     )
     p.add_argument("--tta-plot", default="docs/img/compression_tta.png")
     args = p.parse_args()
@@ -335,21 +336,23 @@ def _plot_link_time(curves: dict[str, list[list[list[float]]]], args: argparse.N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    net = json.loads((Path(__file__).parent / "results" / f"{args.link_result}.json").read_text())
+    results = Path(__file__).parent / "results"
+    nets = [json.loads((results / f"{n}.json").read_text()) for n in args.link_result.split(",")]
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for name, runs in curves.items():
-        step_ms = net["mean_step_ms"].get(name)
+        times = [n["mean_step_ms"].get(k) for n in nets for k in (name, f"ps_{name}")]
+        step_ms = next((t for t in times if t is not None), None)
         if step_ms is None:
             continue
         steps = [s for s, _, _ in runs[0]]
         acc = [statistics.fmean(points) for points in zip(*([a for *_, a in r] for r in runs))]
         ax.plot([s * step_ms / 1e3 for s in steps], acc, marker=".", label=name)
     ax.set_xscale("log")
-    ax.set_xlabel(f"time at {net['rate']} (s, log): steps x the measured step on the bed")
+    ax.set_xlabel(f"time at {nets[0]['rate']} (s, log): steps x the measured step on the bed")
     ax.set_ylabel(f"test accuracy (mean of {args.seeds} seeds)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.suptitle(f"digits, 2 workers; step times from {args.link_result}")
+    fig.suptitle(f"digits, 2 workers; step times from {args.link_result}", fontsize=9)
     fig.tight_layout()
     fig.savefig(args.tta_plot, dpi=110)
 

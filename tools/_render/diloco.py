@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from .fmt import _provenance, _table
 from .results import read_json
 
@@ -45,15 +47,26 @@ def _mean_curve(curves: list[list[list[float]]]) -> list[tuple[int, float]]:
     return [(int(points[0][0]), sum(p[2] for p in points) / len(points)) for points in zip(*curves)]
 
 
-def time_to_accuracy(digits: str, net: str) -> str:
-    """Per variant run in both: its step time on the shaped link (``net``), its final
-    digits accuracy (``digits``), and the steps and link time it takes its mean curve
-    to reach DDP's final accuracy less one point."""
-    d, n = read_json(digits), read_json(net)
+def _link_step_ms(nets: list[dict[str, Any]], variant: str) -> float | None:
+    """A digits variant's step time in the first network run that measured it
+    (``ddp_bf16`` as itself, ``diloco_h32`` as ``ps_diloco_h32``)."""
+    for n in nets:
+        for name in (variant, f"ps_{variant}"):
+            if name in n["mean_step_ms"]:
+                return float(n["mean_step_ms"][name])
+    return None
+
+
+def time_to_accuracy_table(digits: str, *nets: str) -> str:
+    """Per variant run in both: its step time on the shaped link (the first of
+    ``nets`` that ran it), its final digits accuracy (``digits``), and the steps and
+    link time it takes its mean curve to reach DDP's final accuracy less one point."""
+    d = read_json(digits)
+    runs = [read_json(n) for n in nets]
     target = d["final_accuracy"]["ddp"] - 0.01
     rows = []
     for v, curves in d["curves"].items():
-        ms = n["mean_step_ms"].get(v)
+        ms = _link_step_ms(runs, v)
         if ms is None:
             continue
         reached = next((s for s, acc in _mean_curve(curves) if acc >= target), None)
@@ -66,14 +79,15 @@ def time_to_accuracy(digits: str, net: str) -> str:
                 "n/a" if reached is None else f"{reached * ms / 1e3:.1f}",
             ]
         )
+    rate = runs[0]["rate"]
     header = [
         "variant",
-        f"step on the {n['rate']} bed (ms)",
+        f"step on the {rate} bed (ms)",
         "final accuracy (mean of seeds)",
         f"steps to {target:.3f} (DDP's final − 1 point)",
-        f"time to it at {n['rate']} (s)",
+        f"time to it at {rate} (s)",
     ]
-    sources = f"`benchmarks/results/{digits}.json` and `benchmarks/results/{net}.json`"
+    sources = ", ".join(f"`benchmarks/results/{r}.json`" for r in (digits, *nets))
     note = (
         f"From {sources}: steps are those of the first evaluation (every 32 steps) "
         "at which the mean over seeds reaches the target; time is those steps × the "

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from .chaos_soak import chaos_table
 from .cost_curves import cost_shm_table
-from .diloco import diloco_digits_table, diloco_points, net_bytes_fraction, time_to_accuracy
+from .diloco import diloco_digits_table, diloco_points, net_bytes_fraction, time_to_accuracy_table
 from .dlrm import dlrm_loss_gap, dlrm_ratio, dlrm_table
 from .net import (
     net_cost_table,
@@ -109,7 +109,7 @@ RENDERERS: dict[str, Callable[..., str]] = {
         chaos_table,
         diloco_digits_table,
         diloco_points,
-        time_to_accuracy,
+        time_to_accuracy_table,
         net_bytes_fraction,
         recsys_table,
         recsys_ratio,
