@@ -413,6 +413,42 @@ def test_a_kept_error_raised_again_does_not_grow_its_traceback(loop):
     c1.close()
 
 
+def direct_clients(loop, worker_nodes, shard_nodes, numel, compression=None):
+    """Clients of shards on 'nodes' joined by the direct path (the real shards'
+    frame handler, no sockets), each node's shards in shared memory with its workers;
+    ``(clients, transport, topology)``."""
+    world = len(worker_nodes)
+    topo = Topology(
+        worker_nodes=worker_nodes,
+        shard_nodes=shard_nodes,
+        addresses=tuple(("fake", s) for s in range(len(shard_nodes))),
+        token=bytes(32),
+    )
+    servers = [SumShard(i, world, 5.0, compression) for i in range(len(shard_nodes))]
+    transport = FakeTransport(loop, servers)
+    transport.direct = FakeDirect(loop, servers)
+    for s in servers:
+        s._relay_streams = None  # configured below; relays forward on the fake path
+        loop.run(s.configure(topo)).result(5)
+        if s._relayed:
+            s._relay_streams = transport.direct
+    settings = Settings(chunk_bytes=2048, compression=compression)
+    clients = []
+    for r, node in enumerate(worker_nodes):
+        mine = [s for s, n in enumerate(shard_nodes) if n == node]
+        setup = setup_for(
+            _module(numel),
+            r,
+            world,
+            len(shard_nodes),
+            settings,
+            local=mine,
+            remote={s for s in range(len(shard_nodes)) if s not in mine},
+        )
+        clients.append(SumClient.build(dataclasses.replace(setup, topology=topo), transport))
+    return clients, transport, topo
+
+
 @pytest.mark.parametrize(
     ("worker_nodes", "shard_nodes"),
     [((0, 1), (0, 1)), ((0, 0, 1, 1), (0, 1))],
@@ -426,34 +462,7 @@ def test_the_direct_path_carries_chunks_and_notices_and_sums_stay_right(
     on the same path; with two workers per node the node's shard relays their
     partial sum. Every worker gets the mean of all workers' buckets."""
     world, numels = len(worker_nodes), [3000, 700]
-    topo = Topology(
-        worker_nodes=worker_nodes,
-        shard_nodes=shard_nodes,
-        addresses=tuple(("fake", s) for s in range(len(shard_nodes))),
-        token=bytes(32),
-    )
-    servers = [SumShard(i, world, 5.0) for i in range(len(shard_nodes))]
-    transport = FakeTransport(loop, servers)
-    transport.direct = FakeDirect(loop, servers)
-    for s in servers:
-        s._relay_streams = None  # configured below; relays forward on the fake path
-        loop.run(s.configure(topo)).result(5)
-        if s._relayed:
-            s._relay_streams = transport.direct
-    settings = Settings(chunk_bytes=2048)
-    clients = []
-    for r, node in enumerate(worker_nodes):
-        mine = [s for s, n in enumerate(shard_nodes) if n == node]
-        setup = setup_for(
-            _module(sum(numels)),
-            r,
-            world,
-            len(shard_nodes),
-            settings,
-            local=mine,
-            remote={s for s in range(len(shard_nodes)) if s not in mine},
-        )
-        clients.append(SumClient.build(dataclasses.replace(setup, topology=topo), transport))
+    clients, transport, topo = direct_clients(loop, worker_nodes, shard_nodes, sum(numels))
     grads = _seeded_grads(world, numels, seed_stride=7)
     _assert_one_step_gives_the_mean(clients, grads)
     kinds = {kind for _, kind, _ in transport.direct.frames}

@@ -12,7 +12,7 @@ from ray_ps_plugin._codec import Codec
 from ray_ps_plugin._ddp import check_supported
 from ray_ps_plugin._lossy import BLOCK, ErrorFeedback, IntLevels, OneBit, TopK
 from tests.unit.fakes import FakeBucket, in_threads
-from tests.unit.test_client import _clients
+from tests.unit.test_client import _clients, direct_clients
 
 
 def _values(n, seed=0):
@@ -123,6 +123,50 @@ def pickle_roundtrip(obj):
     return pickle.loads(pickle.dumps(obj))
 
 
+def _run_steps(clients, world, steps, numels):
+    """Every worker hooks its buckets of every step; rank -> step -> its summed
+    stream, and the exact mean of every step's streams, summed over steps."""
+    gen = torch.Generator().manual_seed(0)
+    grads = [
+        [[torch.randn(n, generator=gen) for n in numels] for _ in range(world)]
+        for _ in range(steps)
+    ]
+    results: dict[int, list[torch.Tensor]] = {r: [] for r in range(world)}
+
+    def worker(rank):
+        for step in range(steps):
+            bufs = [g.clone() for g in grads[step][rank]]
+            futs = [clients[rank].hook(None, FakeBucket(i, b)) for i, b in enumerate(bufs)]
+            results[rank].append(torch.cat([f.wait().clone() for f in futs]))
+
+    in_threads(worker, world)
+    means = sum(torch.cat(grads[s][r]) for s in range(steps) for r in range(world)) / world
+    return results, means
+
+
+def _errors_held(clients, means):
+    """The errors every worker and shard holds, laid out as the stream."""
+    held = torch.zeros_like(means)
+    for c in clients:
+        for key, error in c._stream._codec.feedback._errors.items():
+            held[key // 4 : key // 4 + error.size] += torch.from_numpy(error)
+    for shard in _servers(clients):
+        for (_model, key), error in shard._codec.feedback._errors.items():
+            held[key // 4 : key // 4 + error.size] += torch.from_numpy(error)
+    return held
+
+
+def _assert_only_the_errors_held_are_missing(clients, results, means):
+    world, steps = len(clients), len(results[0])
+    for step in range(steps):
+        for r in range(1, world):
+            assert torch.equal(results[0][step], results[r][step])
+    received = sum(results[0])
+    assert not torch.allclose(received, means, atol=1e-3)  # it did compress
+    held = _errors_held(clients, means)
+    torch.testing.assert_close(received + held, means, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("compression", ["onebit", "topk"])
 @pytest.mark.parametrize(
     "local",
@@ -145,33 +189,8 @@ def test_sync_buckets_through_a_lossy_encoding_lose_only_the_errors_held(loop, c
         compression=compression,
         local=local,
     )
-    gen = torch.Generator().manual_seed(0)
-    grads = [
-        [[torch.randn(n, generator=gen) for n in numels] for _ in range(world)]
-        for _ in range(steps)
-    ]
-    results: dict[int, list[torch.Tensor]] = {r: [] for r in range(world)}
-
-    def worker(rank):
-        for step in range(steps):
-            bufs = [g.clone() for g in grads[step][rank]]
-            futs = [clients[rank].hook(None, FakeBucket(i, b)) for i, b in enumerate(bufs)]
-            results[rank].append(torch.cat([f.wait().clone() for f in futs]))
-
-    in_threads(worker, world)
-    means = sum(torch.cat(grads[s][r]) for s in range(steps) for r in range(world)) / world
-    for step in range(steps):
-        assert torch.equal(results[0][step], results[1][step])
-    received = sum(results[0])
-    assert not torch.allclose(received, means, atol=1e-3)  # it did compress
-    held = torch.zeros_like(means)
-    for c in clients:
-        for key, error in c._stream._codec.feedback._errors.items():
-            held[key // 4 : key // 4 + error.size] += torch.from_numpy(error)
-    for shard in _servers(clients):
-        for (_model, key), error in shard._codec.feedback._errors.items():
-            held[key // 4 : key // 4 + error.size] += torch.from_numpy(error)
-    torch.testing.assert_close(received + held, means, atol=1e-4, rtol=1e-4)
+    results, means = _run_steps(clients, world, steps, numels)
+    _assert_only_the_errors_held_are_missing(clients, results, means)
     # What the worker counts is what the encoding's arithmetic says.
     stats = clients[1].snapshot()
     encoding = clients[1]._stream._codec.feedback.encoding
@@ -181,6 +200,30 @@ def test_sync_buckets_through_a_lossy_encoding_lose_only_the_errors_held(loop, c
         for p in pieces
     )
     assert stats.bytes_pushed == stats.bytes_pulled == steps * per_step
+    for c in clients:
+        c.close()
+
+
+@pytest.mark.parametrize(
+    ("worker_nodes", "shard_nodes"),
+    [((0, 1), (0, 1)), ((0, 0, 1, 1), (0, 1))],
+    ids=["2x1", "2x2-relays"],
+)
+def test_lossy_sums_across_nodes_and_through_node_relays_lose_only_the_errors_held(
+    loop, worker_nodes, shard_nodes
+):
+    """On the direct path, with a node's relay summing its workers' chunks and
+    encoding the partial sum with an error of its own: every worker still gets the
+    same sums, and nothing is missing but the errors held."""
+    numels = [3000, 700]
+    clients, _, topo = direct_clients(
+        loop, worker_nodes, shard_nodes, sum(numels), compression="onebit"
+    )
+    results, means = _run_steps(clients, len(worker_nodes), 12, numels)
+    _assert_only_the_errors_held_are_missing(clients, results, means)
+    if topo.has_relays:
+        relays = [s for s in _servers(clients) if s._relayed]
+        assert relays and all(s._codec.feedback._errors for s in relays)
     for c in clients:
         c.close()
 
