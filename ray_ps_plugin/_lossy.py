@@ -13,11 +13,11 @@ sums that cross a message in one of these encodings instead of 32 or 16 bits:
   them): each value rounded to the nearest of 255 or 15 levels spread evenly over
   its block's largest magnitude (a float32 scale per :data:`BLOCK` values).
 
-Both are biased and lose most of what they are given, so each sender keeps what
-its encoding dropped and adds it to what it sends next time (*error feedback*:
+All of them are biased and lose part of what they are given, so each sender keeps
+what its encoding dropped and adds it to what it sends next time (*error feedback*:
 Seide et al. 2014, Karimireddy et al., ICML 2019): every value is eventually sent,
-at most one step late, and SGD's convergence holds. A worker keeps the error of its
-pushes, a shard the error of its sums (dist-EF-SGDM's arrangement), each per chunk.
+later, and SGD's convergence holds. A worker keeps the error of its pushes, a shard
+the error of its sums (dist-EF-SGDM's arrangement), each per chunk.
 
 Encoded chunks are ``uint8`` arrays that describe themselves (a header naming the
 encoding and the value count), so a receiver needs nothing but the bytes; anything
@@ -240,7 +240,8 @@ class ErrorFeedback:
 
     ``encode(key, values)`` sends ``values + error[key]`` and keeps the new error,
     so the sum of everything decoded after ``N`` calls differs from the sum of
-    everything given by exactly the error still held (at most one call's loss).
+    everything given by exactly the error still held (for onebit and the integer
+    levels about one call's loss; top-k's small values wait longer).
 
     Args:
         encoding: The lossy encoding.
