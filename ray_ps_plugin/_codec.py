@@ -192,6 +192,18 @@ class Codec:
             as_torch(out).copy_(as_torch(values))
         return out
 
+    def encode_rounded(self, values: np.ndarray, dtype: str, key: object) -> np.ndarray:
+        """Shard side: ``values`` encoded as :meth:`encode_np` does, and ``values``
+        overwritten with what receivers decode from it, so a worker reading them
+        from shared memory gets exactly what the others decode."""
+        if self.feedback is not None:
+            encoded, decoded = self.feedback.encode(key, values)  # decoded once, there
+        else:
+            encoded = self.encode_np(values, dtype)
+            decoded = self.decode_np(encoded, dtype)
+        np.copyto(values, decoded)
+        return encoded
+
     def as_sent_np(self, values: np.ndarray, dtype: str = "float32") -> np.ndarray:
         """Shard side: ``values`` (in the dtype shards compute in for model dtype
         ``dtype``) as they are sent: encoded where the encoding differs, else

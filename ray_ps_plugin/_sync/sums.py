@@ -223,6 +223,5 @@ class ChunkSums:
             # worker reading shared memory gets exactly the values they decode. (When
             # every worker shares memory, nothing is encoded and nothing rounded.)
             # A lossy encoding keeps this shard's error for the chunk's next sum.
-            slot.encoded = self._codec.encode_np(slot.acc, dtype, key=(model, key))
-            np.copyto(slot.acc, self._codec.decode_np(slot.encoded, dtype))
+            slot.encoded = self._codec.encode_rounded(slot.acc, dtype, (model, key))
         slot.done.set()
