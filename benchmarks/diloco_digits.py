@@ -92,6 +92,8 @@ VARIANTS: dict[str, tuple[dict[str, Any], bool]] = {
     "ps_sync_onebit": (_compressed("onebit"), False),
     "ps_sync_topk": (_compressed("topk"), False),
     "ps_sync_topk10": (_compressed("topk", topk_ratio=0.1), False),
+    "ps_sync_lowrank": (_compressed("lowrank"), False),
+    "ps_sync_lowrank1": (_compressed("lowrank", lowrank_rank=1), False),
     **{f"diloco_h{h}": (_diloco(h), False) for h in (1, 8, 32, 128)},
     # The outer step's knobs at H = 32: half the outer lr; plain averaging (local SGD).
     "diloco_h32_olr0.35": (_diloco(32, outer_lr=0.35), False),

@@ -93,6 +93,7 @@ VARIANTS: dict[str, tuple[dict[str, Any], str | None, bool]] = {
         None,
         True,
     ),
+    "ps_sync_lowrank": ({"strategy": "ps", "mode": "sync", "compression": "lowrank"}, None, True),
     "ps_sync_store": ({"strategy": "ps", "data_path": "object_store"}, None, True),
     "ps_sync_bf16_store": (
         {"strategy": "ps", "data_path": "object_store", "compression": "bf16"},

@@ -33,6 +33,8 @@ from ray_ps_plugin._types import RunSettings
 if TYPE_CHECKING:
     from torch.nn.parallel import DistributedDataParallel
 
+    from ray_ps_plugin._codec import Codec
+
 __all__ = ["ClientBase", "ClientSetup", "ModelHook", "warn_kept_live"]
 
 logger = logging.getLogger(__name__)
@@ -170,6 +172,16 @@ class ClientBase(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - a no-op by default, not abstract
         """Releases threads and shared memory (never raises)."""
+
+    def feedback_codec(self) -> Codec | None:
+        """The codec whose error feedback this model's pushes go through (``None``
+        where nothing it sends is lossy)."""
+        return None
+
+    @property
+    def transport(self) -> Transport:
+        """How this model's calls reach the shards."""
+        return self._transport
 
     def outer_state_dict(self) -> dict[str, Any]:
         """The state the shards keep beside the parameters (``"diloco"``'s outer

@@ -3,8 +3,8 @@ one of the lossy encodings with error feedback.
 
 With ``PSConfig(compression="bf16" | "fp16")`` every tensor that travels (gradient
 chunks and sums in sync mode, deltas and parameters in async/ssp) is sent as 16-bit
-values, halving the bytes. With ``"onebit"`` or ``"topk"`` (sync) the dense
-gradient chunks and their sums, with ``"int8"`` or ``"int4"`` (diloco) the round
+values, halving the bytes. With ``"onebit"``, ``"topk"`` or ``"lowrank"`` (sync)
+the dense gradient chunks and their sums, with ``"int8"`` or ``"int4"`` (diloco) the round
 changes, are sent in a lossy encoding of
 :mod:`ray_ps_plugin._lossy`, each sender keeping what the encoding dropped per
 chunk (the ``key`` arguments below); sparse rows then travel as fp32. The shards
@@ -23,13 +23,20 @@ and importing torch would take most of its start-up.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ray_ps_plugin._dtypes import BF16_BITS, bf16_to_f32, storage, widened
-from ray_ps_plugin._lossy import ErrorFeedback, lossy_encoding
-from ray_ps_plugin._types import DEFAULT_TOPK_RATIO, Compression
+from ray_ps_plugin._feedback import ErrorFeedback, FirstStepApart
+from ray_ps_plugin._lossy import lossy_encoding
+from ray_ps_plugin._types import (
+    DEFAULT_LOWRANK_RANK,
+    DEFAULT_TOPK_RATIO,
+    Compression,
+    RunSettings,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -46,6 +53,7 @@ _PLAIN: dict[Compression | None, Compression | None] = {
     "bf16": "bf16",
     "onebit": None,
     "topk": None,
+    "lowrank": None,
     "int8": "bf16",
     "int4": "bf16",
 }
@@ -76,25 +84,36 @@ class Codec:
 
     Args:
         compression: ``None`` (the model's dtype in messages), ``"fp16"``, ``"bf16"``,
-            ``"onebit"``, ``"topk"`` (sync's gradient chunks), ``"int8"`` or
+            ``"onebit"``, ``"topk"``, ``"lowrank"`` (sync's gradient chunks), ``"int8"`` or
             ``"int4"`` (diloco's round changes; its replies, parameters, as bf16).
         topk_ratio: The fraction of values ``"topk"`` sends.
+        lowrank_rank: The rank of ``"lowrank"``'s factors.
     """
 
     def __init__(
-        self, compression: Compression | None, topk_ratio: float = DEFAULT_TOPK_RATIO
+        self,
+        compression: Compression | None,
+        topk_ratio: float = DEFAULT_TOPK_RATIO,
+        lowrank_rank: int = DEFAULT_LOWRANK_RANK,
     ) -> None:
         if compression not in _PLAIN:
             raise ValueError(f"unknown compression {compression!r}")
         self.compression = compression
         self._plain = _PLAIN[compression]
         self.topk_ratio = topk_ratio
-        lossy = lossy_encoding(compression, topk_ratio) if compression else None
+        self.lowrank_rank = lowrank_rank
+        lossy = lossy_encoding(compression, topk_ratio, lowrank_rank) if compression else None
         # Per process: the errors of what this worker or shard sent, by chunk.
         self.feedback = ErrorFeedback(lossy) if lossy is not None else None
+        self._apart = FirstStepApart(self.feedback) if self.feedback is not None else None
         # Model dtype -> whether it converts: asked per chunk on the shards' hot
         # path, and a model has one or two dtypes.
         self._converts: dict[str, bool] = {}
+
+    @classmethod
+    def of(cls, settings: RunSettings) -> Codec:
+        """The codec a run's settings ask for (a worker's; each sender its own)."""
+        return cls(settings.compression, settings.topk_ratio, settings.lowrank_rank)
 
     @property
     def encoded_dtype(self) -> torch.dtype:
@@ -146,6 +165,12 @@ class Codec:
         t = t.to(device="cpu", dtype=self.encoded_dtype) if self.active else t.cpu()
         return to_numpy(t)
 
+    def chunk_key(self, model: Hashable, step: int, key: int) -> Hashable:
+        """The error-feedback key of sync mode's chunk ``key`` (its stream offset)
+        of ``model`` at ``step``: the first step's apart from the others', as DDP
+        lays its buckets out anew after it (see ``FirstStepApart``)."""
+        return self._apart.key(model, step, key) if self._apart is not None else (model, key)
+
     def encode_chunk(self, key: object, values: torch.Tensor | np.ndarray) -> np.ndarray:
         """Worker side: a dense chunk as it is pushed, the lossy encodings with the
         chunk's error fed back (``key`` names the chunk; ``values`` on the host)."""
@@ -177,7 +202,7 @@ class Codec:
         nothing changes). With a lossy compression, a dense chunk's sum or a
         relayed change (``key`` names it) is encoded with this sender's error for it
         fed back; anything without a key as the compression's plain format says
-        (fp32 for onebit and topk, bf16 for int8 and int4)."""
+        (fp32 for sync's lossy encodings, bf16 for int8 and int4)."""
         if self.feedback is not None and key is not None:
             return self.feedback.encode(key, values)[0]
         encoded = self._plain_np_dtype(dtype)
@@ -228,6 +253,26 @@ class Codec:
 
         return as_torch(arr).to(getattr(torch, target.name)).numpy()
 
+    def feedback_state(self) -> dict[str, Any] | None:
+        """What this sender's error feedback holds (see ``ErrorFeedback.state``),
+        with the compression it is for; ``None`` without a lossy one."""
+        if self.feedback is None:
+            return None
+        return {"compression": self.compression, **self.feedback.state()}
+
+    def load_feedback_state(self, state: dict[str, Any]) -> None:
+        """Holds what :meth:`feedback_state` returned.
+
+        Raises:
+            ValueError: The state is another compression's (or this codec has none).
+        """
+        if self.feedback is None or state.get("compression") != self.compression:
+            raise ValueError(
+                f"error-feedback state of compression={state.get('compression')!r} cannot "
+                f"be loaded into a run with compression={self.compression!r}."
+            )
+        self.feedback.load_state(state)
+
     def __reduce__(self) -> tuple[Any, ...]:
         # The errors held stay with their process: each sender keeps its own.
-        return (Codec, (self.compression, self.topk_ratio))
+        return (Codec, (self.compression, self.topk_ratio, self.lowrank_rank))

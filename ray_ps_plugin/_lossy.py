@@ -1,7 +1,8 @@
-"""Encodings of fewer than 16 bits a value, and the error feedback that makes them train.
+"""Encodings of fewer than 16 bits a value.
 
-``PSConfig(compression="onebit" | "topk")`` sends sync mode's gradient chunks and
-sums that cross a message in one of these encodings instead of 32 or 16 bits:
+``PSConfig(compression="onebit" | "topk" | "lowrank")`` sends sync mode's gradient
+chunks and sums that cross a message in one of these encodings instead of 32 or 16
+bits, ``"int8" | "int4"`` diloco's round changes:
 
 - **onebit** (scaled sign, as BytePS's onebit compressor and EF-SignSGD): one sign
   bit per value and, per block of :data:`BLOCK` values, the block's mean absolute
@@ -9,15 +10,17 @@ sums that cross a message in one of these encodings instead of 32 or 16 bits:
   (least squares). 1.25 bits a value: 25.6x fewer bytes than fp32.
 - **topk**: the ``k = ceil(ratio * n)`` values of largest magnitude with their
   indices (4 + 4 bytes each); the rest decode as zero.
+- **lowrank** (PowerSGD's rank-r approximation, Vogels et al., NeurIPS 2019): the
+  chunk laid out as a matrix of about sqrt(n) x sqrt(n) values and sent as two
+  thin factors, an orthonormal ``P`` (rows x r) and ``B = M^T P`` (cols x r), found
+  by one power iteration warm-started from the chunk's previous ``B``:
+  ``r (rows + cols)`` floats instead of ``rows x cols``.
 - **int8 / int4** (DiLoCo's round changes, as OpenDiLoCo and torchft quantize
   them): each value rounded to the nearest of 255 or 15 levels spread evenly over
   its block's largest magnitude (a float32 scale per :data:`BLOCK` values).
 
-All of them are biased and lose part of what they are given, so each sender keeps
-what its encoding dropped and adds it to what it sends next time (*error feedback*:
-Seide et al. 2014, Karimireddy et al., ICML 2019): every value is eventually sent,
-later, and SGD's convergence holds. A worker keeps the error of its pushes, a shard
-the error of its sums (dist-EF-SGDM's arrangement), each per chunk.
+All of them are biased and lose part of what they are given: they train through
+the error feedback of :mod:`ray_ps_plugin._feedback`.
 
 Encoded chunks are ``uint8`` arrays that describe themselves (a header naming the
 encoding and the value count), so a receiver needs nothing but the bytes; anything
@@ -28,14 +31,22 @@ memory) is not one of these.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable
+from collections.abc import Collection, Hashable
 from typing import Literal
 
 import numpy as np
 
-__all__ = ["BLOCK", "ErrorFeedback", "IntLevels", "Lossy", "OneBit", "TopK", "lossy_encoding"]
+__all__ = [
+    "BLOCK",
+    "IntLevels",
+    "Lossy",
+    "LowRank",
+    "OneBit",
+    "TopK",
+    "lossy_encoding",
+]
 
-LossyName = Literal["onebit", "topk", "int8", "int4"]
+LossyName = Literal["onebit", "topk", "lowrank", "int8", "int4"]
 
 #: Values per scale in the onebit encoding: 4 bytes of scale per 16 bytes of signs.
 #: A bucket's chunk runs across layers whose gradients differ in size by orders of
@@ -45,7 +56,7 @@ BLOCK = 128
 _F32 = np.dtype(np.float32)
 # Header: (encoding id, value count), two little-endian uint32s.
 _HEADER = 8
-_IDS = {"onebit": 1, "topk": 2, "int8": 3, "int4": 4}
+_IDS = {"onebit": 1, "topk": 2, "int8": 3, "int4": 4, "lowrank": 5}
 
 
 class Lossy:
@@ -57,8 +68,14 @@ class Lossy:
 
     name: LossyName
 
-    def encode(self, values: np.ndarray) -> np.ndarray:
-        """``values`` (1-D float32) as self-describing ``uint8`` bytes."""
+    def encode(self, values: np.ndarray, key: Hashable = None) -> np.ndarray:
+        """``values`` (1-D float32) as self-describing ``uint8`` bytes.
+
+        Args:
+            values: The values.
+            key: The chunk they are (an encoding that learns from a chunk's
+                previous values keeps its state by key; the others ignore it).
+        """
         raise NotImplementedError
 
     def decode(self, data: np.ndarray) -> np.ndarray:
@@ -68,6 +85,19 @@ class Lossy:
     def nbytes(self, n: int) -> int:
         """Bytes of the encoding of ``n`` values (what the arithmetic says)."""
         raise NotImplementedError
+
+    def clear(self) -> None:
+        """Forgets what was learnt from earlier chunks (nothing, unless stateful)."""
+
+    def state(self) -> dict[Hashable, np.ndarray]:
+        """What was learnt from earlier chunks, by chunk (nothing, unless stateful)."""
+        return {}
+
+    def load_state(self, state: dict[Hashable, np.ndarray]) -> None:
+        """Takes what :meth:`state` returned."""
+
+    def forget(self, keys: Collection[Hashable]) -> None:
+        """Forgets what was learnt from the chunks ``keys``."""
 
     def _header(self, n: int, body: int) -> np.ndarray:
         out = np.empty(_HEADER + body, np.uint8)
@@ -98,7 +128,7 @@ class OneBit(Lossy):
     def nbytes(self, n: int) -> int:
         return _HEADER + 4 * math.ceil(n / BLOCK) + math.ceil(n / 8)
 
-    def encode(self, values: np.ndarray) -> np.ndarray:
+    def encode(self, values: np.ndarray, key: Hashable = None) -> np.ndarray:
         n = values.size
         blocks = math.ceil(n / BLOCK)
         out = self._header(n, self.nbytes(n) - _HEADER)
@@ -140,7 +170,7 @@ class TopK(Lossy):
     def nbytes(self, n: int) -> int:
         return _HEADER + 8 * self.k(n) if n else _HEADER
 
-    def encode(self, values: np.ndarray) -> np.ndarray:
+    def encode(self, values: np.ndarray, key: Hashable = None) -> np.ndarray:
         n = values.size
         out = self._header(n, self.nbytes(n) - _HEADER)
         if not n:
@@ -162,6 +192,90 @@ class TopK(Lossy):
         return values
 
 
+class LowRank(Lossy):
+    """A rank-``rank`` approximation of the chunk laid out as a matrix (PowerSGD's).
+
+    A chunk of ``n`` values is padded with zeros to ``rows x cols`` (``cols`` the
+    power of two nearest ``sqrt(n)``) and read as the matrix ``M``. With ``Q`` the
+    chunk's previous ``B`` (or, the first time, a fixed random matrix), ``P`` is
+    ``M Q`` made orthonormal and ``B = M^T P``; ``P B^T``, the projection of ``M``
+    on ``P``'s columns, is what decodes. Reusing ``B`` makes each step one more
+    power iteration on gradients that change slowly, so ``P`` tracks their leading
+    directions (PowerSGD's warm start) at one QR of a ``rows x rank`` matrix.
+
+    Unlike PowerSGD's all-reduce, each sender finds its own factors and sends both
+    (``rank (rows + cols)`` floats), so every message decodes alone: shards and
+    relays sum decoded chunks as for every other encoding.
+
+    Args:
+        rank: Columns of ``P`` and ``B`` (at most ``min(rows, cols)`` are used).
+    """
+
+    name: LossyName = "lowrank"
+
+    def __init__(self, rank: int) -> None:
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"lowrank rank must be an int >= 1, got {rank!r}")
+        self.rank = rank
+        self._warm: dict[Hashable, np.ndarray] = {}
+
+    def shape(self, n: int) -> tuple[int, int, int]:
+        """``(rows, cols, rank)`` of a chunk of ``n`` values."""
+        if n == 0:
+            return 0, 0, 0
+        cols = min(n, 2 ** round(math.log2(math.sqrt(n))))
+        rows = math.ceil(n / cols)
+        return rows, cols, min(self.rank, rows, cols)
+
+    def nbytes(self, n: int) -> int:
+        rows, cols, r = self.shape(n)
+        return _HEADER + 4 * r * (rows + cols)
+
+    def encode(self, values: np.ndarray, key: Hashable = None) -> np.ndarray:
+        n = values.size
+        out = self._header(n, self.nbytes(n) - _HEADER)
+        if not n:
+            return out
+        rows, cols, r = self.shape(n)
+        flat = np.zeros(rows * cols, _F32)
+        flat[:n] = values
+        m = flat.reshape(rows, cols)
+        q = self._warm.get(key) if key is not None else None
+        if q is None or q.shape != (cols, r):
+            # The same start everywhere keeps runs repeatable.
+            q = np.random.default_rng(0).standard_normal((cols, r)).astype(_F32)
+        p, _ = np.linalg.qr(m @ q)
+        p = p.astype(_F32, copy=False)
+        b = m.T @ p
+        if key is not None:
+            self._warm[key] = b
+        out[_HEADER : _HEADER + 4 * rows * r].view(_F32)[:] = p.reshape(-1)
+        out[_HEADER + 4 * rows * r :].view(_F32)[:] = b.reshape(-1)
+        return out
+
+    def decode(self, data: np.ndarray) -> np.ndarray:
+        n = self._count(data)
+        if not n:
+            return np.zeros(0, _F32)
+        rows, cols, r = self.shape(n)
+        p = data[_HEADER : _HEADER + 4 * rows * r].view(_F32).reshape(rows, r)
+        b = data[_HEADER + 4 * rows * r :].view(_F32).reshape(cols, r)
+        return (p @ b.T).reshape(-1)[:n]
+
+    def clear(self) -> None:
+        self._warm.clear()
+
+    def state(self) -> dict[Hashable, np.ndarray]:
+        return dict(self._warm)
+
+    def load_state(self, state: dict[Hashable, np.ndarray]) -> None:
+        self._warm = {k: np.asarray(v, _F32) for k, v in state.items()}
+
+    def forget(self, keys: Collection[Hashable]) -> None:
+        for key in keys:
+            self._warm.pop(key, None)
+
+
 class IntLevels(Lossy):
     """Signed integers of ``bits`` bits (8 or 4) with a float32 scale per
     :data:`BLOCK` values: the block's largest magnitude over the largest level.
@@ -180,7 +294,7 @@ class IntLevels(Lossy):
     def nbytes(self, n: int) -> int:
         return _HEADER + 4 * math.ceil(n / BLOCK) + math.ceil(n * self.bits / 8)
 
-    def encode(self, values: np.ndarray) -> np.ndarray:
+    def encode(self, values: np.ndarray, key: Hashable = None) -> np.ndarray:
         n = values.size
         blocks = math.ceil(n / BLOCK)
         out = self._header(n, self.nbytes(n) - _HEADER)
@@ -223,57 +337,15 @@ def _block_sizes(n: int) -> np.ndarray:
     return sizes
 
 
-def lossy_encoding(name: str, topk_ratio: float) -> Lossy | None:
+def lossy_encoding(name: str, topk_ratio: float, lowrank_rank: int) -> Lossy | None:
     """The encoding ``PSConfig.compression`` names, or ``None`` for a 16-bit or no
     compression."""
     if name == "onebit":
         return OneBit()
     if name == "topk":
         return TopK(topk_ratio)
+    if name == "lowrank":
+        return LowRank(lowrank_rank)
     if name in ("int8", "int4"):
         return IntLevels(8 if name == "int8" else 4)
     return None
-
-
-class ErrorFeedback:
-    """One sender's error feedback: per chunk, what its encoding dropped last time.
-
-    ``encode(key, values)`` sends ``values + error[key]`` and keeps the new error,
-    so the sum of everything decoded after ``N`` calls differs from the sum of
-    everything given by exactly the error still held (for onebit and the integer
-    levels about one call's loss; top-k's small values wait longer).
-
-    Args:
-        encoding: The lossy encoding.
-    """
-
-    def __init__(self, encoding: Lossy) -> None:
-        self.encoding = encoding
-        self._errors: dict[Hashable, np.ndarray] = {}
-
-    def encode(self, key: Hashable, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(encoded, decoded)`` of ``values`` plus the chunk's held error; holds the
-        new error.
-
-        Args:
-            key: The chunk (its byte offset in the stream, with its model).
-            values: The chunk's values (any float dtype; read, not written).
-        """
-        error = self._errors.get(key)
-        corrected = values.astype(_F32, copy=True).reshape(-1)
-        if error is not None and error.shape == corrected.shape:
-            corrected += error
-        encoded = self.encoding.encode(corrected)
-        decoded = self.encoding.decode(encoded)
-        # What was not sent is sent next time: corrected becomes the new error.
-        np.subtract(corrected, decoded, out=corrected)
-        self._errors[key] = corrected
-        return encoded, decoded
-
-    def error(self, key: Hashable) -> np.ndarray | None:
-        """The error held for chunk ``key`` (``None`` before its first encoding)."""
-        return self._errors.get(key)
-
-    def clear(self) -> None:
-        """Drops every held error (a new run of the same model starts clean)."""
-        self._errors.clear()

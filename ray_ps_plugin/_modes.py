@@ -104,9 +104,9 @@ class ModeSpec:
 
 _SUM = ModeSpec(
     shard_cls=SumShard,
-    shard_args=lambda cfg: (cfg.ps_timeout_s, cfg.compression, cfg.topk_ratio),
+    shard_args=lambda cfg: (cfg.ps_timeout_s, cfg.compression, cfg.topk_ratio, cfg.lowrank_rank),
     build_client=SumClient.build,
-    compressions=frozenset({"bf16", "fp16", "onebit", "topk"}),
+    compressions=frozenset({"bf16", "fp16", "onebit", "topk", "lowrank"}),
     uses_reducer=True,
     connect=connect_shards,
     max_concurrency=SHARD_MAX_CONCURRENCY,

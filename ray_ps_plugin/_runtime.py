@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ray_ps_plugin._client import ClientBase, ClientSetup
+from ray_ps_plugin._feedback_state import load_feedback, save_feedback
 from ray_ps_plugin._metrics import WorkerMetrics
 from ray_ps_plugin._modes import staleness_bound
 from ray_ps_plugin._stats import PSStats
@@ -199,6 +200,59 @@ class PSContext:
             )
         for client, state in zip(_CLIENTS, states):
             client.load_outer_state_dict(state)
+
+    def save_compression_state(self, path: str | os.PathLike[str]) -> None:
+        """With a lossy ``compression``: writes what every sender has not sent yet
+        (each chunk's error, and ``"lowrank"``'s learnt factors) under ``path``, so
+        a resumed run goes on exactly as the uninterrupted one; otherwise nothing.
+        Call it on every worker, into the directory of the checkpoint each of them
+        reports: every worker writes its own file and rank 0 the shards' (Ray Train
+        merges what every worker reports into one checkpoint).
+
+        Raises:
+            PSTimeoutError: If a shard does not answer within ``ps_timeout_s``.
+        """
+        codecs = _feedback_codecs()
+        if codecs:
+            self.flush()
+            save_feedback(Path(path), codecs, *self._feedback_peers())
+
+    def load_compression_state(self, path: str | os.PathLike[str]) -> None:
+        """Restores what :meth:`save_compression_state` wrote; call it on every worker
+        after ``prepare_model``, before the first step (every worker then waits for
+        the others). A state saved by a run of another world size, shard count or
+        compression is left out with a warning: the errors start empty.
+
+        Raises:
+            PSTimeoutError: If a shard does not answer within ``ps_timeout_s``.
+        """
+        codecs = _feedback_codecs()
+        if codecs:
+            load_feedback(Path(path), codecs, *self._feedback_peers())
+            if self.world_size > 1:
+                import ray.train.collective
+
+                # A node relay could forward its first round with errors that rank
+                # 0's load then replaces.
+                ray.train.collective.barrier()
+
+    def _feedback_peers(self) -> tuple[int, int, Transport, int, float]:
+        run = current_run()
+        transport = _CLIENTS[0].transport
+        return (
+            self.world_rank,
+            self.world_size,
+            transport,
+            self.num_servers,
+            run.settings.ps_timeout_s,
+        )
+
+
+def _feedback_codecs() -> list[Any]:
+    """The lossy codec of every prepared model, in order (``None`` for a model with
+    nothing lossy); empty when no model has one."""
+    codecs = [c.feedback_codec() for c in _CLIENTS]
+    return codecs if any(c is not None for c in codecs) else []
 
 
 # --- per-process registry -----------------------------------------------------------

@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -23,6 +23,9 @@ from ray_ps_plugin._errors import ShardProtocolError
 from ray_ps_plugin._metrics import ShardMetrics
 from ray_ps_plugin._wire.frames import Frame
 from ray_ps_plugin._wire.server import WireServer
+
+if TYPE_CHECKING:
+    from ray_ps_plugin._codec import Codec
 
 __all__ = ["MAX_MODELS", "ShardBase", "rejoin_clock", "resized"]
 
@@ -129,6 +132,23 @@ class ShardBase:
         finally:
             if self._metrics is not None:
                 self._metrics.leave()
+
+    def feedback_state(self) -> dict[str, Any] | None:
+        """What this shard's error feedback holds (its sums' errors, and a node
+        relay's), for a checkpoint; ``None`` without a lossy compression."""
+        codec = self._feedback_codec()
+        return codec.feedback_state() if codec is not None else None
+
+    def load_feedback_state(self, state: dict[str, Any] | None) -> None:
+        """Holds what :meth:`feedback_state` returned (``None``: nothing to hold)."""
+        codec = self._feedback_codec()
+        if state is not None and codec is not None:
+            codec.load_feedback_state(state)
+
+    def _feedback_codec(self) -> Codec | None:
+        # Each shard kind makes its own codec (``_codec``) after this base is set up.
+        codec: Codec | None = getattr(self, "_codec", None)
+        return codec
 
     def stats(self) -> dict[str, Any]:
         """Counters since start: bytes in/out, pushes, duplicate pushes ignored."""

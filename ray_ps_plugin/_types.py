@@ -12,6 +12,7 @@ from typing import Literal, Protocol, get_args
 __all__ = [
     "COMPRESSIONS",
     "DATA_PATHS",
+    "DEFAULT_LOWRANK_RANK",
     "DEFAULT_OUTER_LR",
     "DEFAULT_TOPK_RATIO",
     "LOSSY_COMPRESSIONS",
@@ -38,7 +39,7 @@ __all__ = [
 Strategy = Literal["ddp", "ps"]
 Mode = Literal["sync", "async", "ssp", "diloco"]
 NanPolicy = Literal["raise", "skip", "ignore"]
-Compression = Literal["bf16", "fp16", "onebit", "topk", "int8", "int4"]
+Compression = Literal["bf16", "fp16", "onebit", "topk", "lowrank", "int8", "int4"]
 ServerPlacement = Literal["auto", "worker", "node"]
 DataPath = Literal["tcp", "object_store"]
 OuterOptimizer = Literal["nesterov", "average"]
@@ -56,11 +57,17 @@ ROUND_MODES: tuple[RoundMode, ...] = get_args(RoundMode)
 SPARSE_OPTIMIZERS: tuple[SparseOptimizer, ...] = get_args(SparseOptimizer)
 
 #: The compressions that drop information and so keep an error per sender.
-LOSSY_COMPRESSIONS: frozenset[Compression] = frozenset({"onebit", "topk", "int8", "int4"})
+LOSSY_COMPRESSIONS: frozenset[Compression] = frozenset(
+    {"onebit", "topk", "lowrank", "int8", "int4"}
+)
 
 #: The fraction of each chunk's values ``compression="topk"`` sends when
 #: ``PSConfig.topk_ratio`` is not given.
 DEFAULT_TOPK_RATIO = 0.01
+
+#: The rank of ``compression="lowrank"``'s factors when ``PSConfig.lowrank_rank``
+#: is not given.
+DEFAULT_LOWRANK_RANK = 4
 
 #: The outer learning rate of each outer optimizer when ``PSConfig.outer_lr`` is
 #: ``None``: DiLoCo's 0.7 for Nesterov momentum, 1 for plain averaging (the new
@@ -90,6 +97,7 @@ class RunSettings(Protocol):
     nan_policy: NanPolicy
     compression: Compression | None
     topk_ratio: float
+    lowrank_rank: int
     shared_memory: bool
     data_path: DataPath
     node_aggregation: bool

@@ -23,6 +23,7 @@ from ray_ps_plugin._ray_compat import TorchBackend, TorchConfigContextManager
 from ray_ps_plugin._types import (
     COMPRESSIONS,
     DATA_PATHS,
+    DEFAULT_LOWRANK_RANK,
     DEFAULT_TOPK_RATIO,
     MODES,
     NAN_POLICIES,
@@ -92,14 +93,20 @@ class PSConfig(TorchConfig):
             slow links, each with error feedback (what a sender's encoding drops
             is added to what it sends next, by the worker for its pushes and by
             the shard for its sums): ``"onebit"`` (a sign bit per value and a
-            scale per 128 values: 25.6x fewer bytes than fp32) and ``"topk"``
-            (the ``topk_ratio`` largest values of each chunk with their indices).
+            scale per 128 values: 25.6x fewer bytes than fp32), ``"topk"``
+            (the ``topk_ratio`` largest values of each chunk with their indices)
+            and ``"lowrank"`` (each chunk as a matrix of about sqrt(n) x sqrt(n),
+            sent as two factors of rank ``lowrank_rank``, PowerSGD's power
+            iteration warm-started from the chunk's previous factor).
             Diloco takes ``"int8"`` and ``"int4"``: each round's change as 8- or
             4-bit levels with error feedback across rounds, the replies as bf16.
             The lossy ones take fp32 models; sparse rows then travel as fp32. See
             docs/compression.md for which to pick.
         topk_ratio: The fraction of each chunk's values ``compression="topk"``
             sends (8 bytes each: index and value), in (0, 1].
+        lowrank_rank: The rank of ``compression="lowrank"``'s factors (an int >=
+            1): a chunk of n values sends about ``2 * lowrank_rank * sqrt(n)``
+            floats.
         shared_memory: Whether a worker exchanges data with the shards of its own
             node through shared memory, as BytePS does within a machine: only a
             notice naming what was written travels separately (sync: one per bucket
@@ -220,6 +227,7 @@ class PSConfig(TorchConfig):
     nan_policy: NanPolicy = "raise"
     compression: Compression | None = None
     topk_ratio: float = DEFAULT_TOPK_RATIO
+    lowrank_rank: int = DEFAULT_LOWRANK_RANK
     server_placement: ServerPlacement = "auto"
     server_resources: dict[str, float] | None = None
     shared_memory: bool = True
@@ -307,6 +315,7 @@ class PSConfig(TorchConfig):
                 f"PSConfig.topk_ratio is the fraction of values compression='topk' sends, "
                 f"in (0, 1]; got {self.topk_ratio!r}."
             )
+        _check_int("lowrank_rank", self.lowrank_rank, minimum=1)
         if self.compression is None:
             return
         _check_choice("compression", self.compression, COMPRESSIONS)

@@ -4,9 +4,8 @@ One step of a worker, top to bottom:
 
 1. ``model(x)`` trains on the parameters the client last installed. In ``"ssp"``
    the first forward pass after a step blocks if they are too stale and installs the
-   newest reply; ``"async"`` never blocks here. Later forward passes of the same step
-   (two forwards before one backward) never change the parameters under autograd's
-   feet.
+   newest reply; ``"async"`` never blocks here. Later forward passes of the same
+   step never change the parameters under autograd's feet.
 2. ``loss.backward()`` and ``optimizer.step()`` run locally, unchanged: the user's
    optimizer (momentum, Adam state, learning-rate schedule) steps the worker's copy.
 3. Right after ``optimizer.step()`` a global optimizer hook takes the difference
@@ -21,8 +20,7 @@ One step of a worker, top to bottom:
 
 At most one round trip per worker is in flight: the next push first waits for the
 previous one (with a timeout), so a fast worker cannot queue unbounded work on the
-shards and every update is confirmed before the one after it is sent. That wait is
-the only one in ``"async"``.
+shards, and every update is confirmed before the next is sent (async's only wait).
 """
 
 from __future__ import annotations
@@ -65,7 +63,7 @@ class ParamClient(ClientBase):
         # With "raise" the update is checked inside the delta pass (see _advance),
         # not the gradients before the step: one pass over the parameters fewer.
         super().__init__(setup, setup.num_shards, check_local=setup.settings.nan_policy != "raise")
-        self._codec = Codec(setup.settings.compression, setup.settings.topk_ratio)
+        self._codec = Codec.of(setup.settings)
         self._staleness = setup.staleness
         self._transport = transport
         params = list(setup.params)
@@ -192,6 +190,9 @@ class ParamClient(ClientBase):
     @property
     def shared_memory_shards(self) -> tuple[int, ...]:
         return tuple(sorted(self._lanes))
+
+    def feedback_codec(self) -> Codec | None:
+        return self._codec if self._codec.lossy else None
 
     # --- the step ---------------------------------------------------------------
     def before_forward(self) -> None:
@@ -396,13 +397,12 @@ class ParamClient(ClientBase):
 
     def _advance(self, replies: list[Reply] | None, slot: int) -> None:
         """Takes this step's delta into the push buffers and installs the replies plus
-        ``delta / W`` (see :meth:`FlatParams.advance`). With ``nan_policy="raise"``
-        the same pass sums each chunk of the delta (in cache), and a non-finite
-        update raises before the push.
+        ``delta / W`` (:meth:`FlatParams.advance`); with ``nan_policy="raise"`` the
+        same pass sums the delta's chunks, and a non-finite update raises.
 
         Args:
             replies: The newest replies (one per shard), or ``None`` (first step, or
-                right after :meth:`flush`): then the step is added to the installed copy.
+                right after :meth:`flush`: the step is added to the installed copy).
             slot: The output segment that colocated shards answered in.
 
         Raises:

@@ -75,7 +75,7 @@ class DenseStream:
         self.lanes = dict(lanes)
         self._routes = list(routes)
         self._direct = direct
-        self._codec = Codec(setup.settings.compression, setup.settings.topk_ratio)
+        self._codec = Codec.of(setup.settings)
         self._model_id = setup.model_id
         self._rank = setup.rank
         self._world_size = setup.world_size
@@ -131,6 +131,11 @@ class DenseStream:
         # has one, on one node too: a frame on an open socket costs a fraction of a
         # Ray call and its reply. Only the layout depends on whether chunks cross.
         return cls(setup, layout, transport, lanes, routes, transport.direct)
+
+    @property
+    def codec(self) -> Codec:
+        """How the chunks are encoded (with their error feedback, if lossy)."""
+        return self._codec
 
     @property
     def num_shards(self) -> int:
@@ -205,12 +210,13 @@ class DenseStream:
     def _send_piece(self, step: int, buf: torch.Tensor, send: Send, host: np.ndarray | None) -> Any:
         """Sends one piece by value, on the direct path or as a Ray call."""
         (p,) = send.pieces
+        key = self._codec.chunk_key(self._model_id, step, p.key)
         if host is None:
-            chunk = self._codec.encode_chunk(p.key, buf[p.start : p.stop].div_(self._world_size))
+            chunk = self._codec.encode_chunk(key, buf[p.start : p.stop].div_(self._world_size))
         else:
             # Staged on the host already divided (and narrowed where 16-bit); a
             # lossy encoding is applied per piece, where each piece's error is kept.
-            chunk = self._codec.encode_chunk(p.key, host[p.start : p.stop])
+            chunk = self._codec.encode_chunk(key, host[p.start : p.stop])
         dtype = dtype_name(buf)
         if send.direct:
             assert self._direct is not None

@@ -277,6 +277,10 @@ class SumClient(ClientBase):
     def shared_memory_shards(self) -> tuple[int, ...]:
         return tuple(sorted(self._stream.lanes))
 
+    def feedback_codec(self) -> Codec | None:
+        codec = self._stream.codec
+        return codec if codec.lossy else None
+
     def close(self) -> None:
         """Stops the communication thread (waits at most ``ps_timeout_s``)."""
         self._queue.put(None)

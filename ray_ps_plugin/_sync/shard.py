@@ -32,14 +32,8 @@ from ray_ps_plugin._sync.row_relay import RowRelay
 from ray_ps_plugin._sync.sums import ChunkSums, Slot
 from ray_ps_plugin._sync.topology import Topology
 from ray_ps_plugin._tables.host import TableHost
-from ray_ps_plugin._types import DEFAULT_TOPK_RATIO, Compression
-from ray_ps_plugin._wire.frames import (
-    LOCAL,
-    ROWS,
-    Frame,
-    rows_owner,
-    unpack_local,
-)
+from ray_ps_plugin._types import DEFAULT_LOWRANK_RANK, DEFAULT_TOPK_RATIO, Compression
+from ray_ps_plugin._wire.frames import LOCAL, ROWS, Frame, rows_owner, unpack_local
 from ray_ps_plugin._wire.streams import WireStreams, await_answer, relay_failure
 
 __all__ = ["SumShard"]
@@ -57,6 +51,7 @@ class SumShard(TableHost):
         timeout_s: How long a push waits for the other workers before it fails.
         compression: The encoding of pushes and sums in messages.
         topk_ratio: The fraction of values ``compression="topk"`` sends.
+        lowrank_rank: The rank of ``compression="lowrank"``'s factors.
     """
 
     def __init__(
@@ -66,9 +61,10 @@ class SumShard(TableHost):
         timeout_s: float,
         compression: Compression | None = None,
         topk_ratio: float = DEFAULT_TOPK_RATIO,
+        lowrank_rank: int = DEFAULT_LOWRANK_RANK,
     ) -> None:
         super().__init__(shard_index, num_workers, timeout_s)
-        self._codec = Codec(compression, topk_ratio)
+        self._codec = Codec(compression, topk_ratio, lowrank_rank)
         self._topology: Topology | None = None
         self._own_sources = frozenset(range(num_workers))
         self._relayed: frozenset[int] = frozenset()
@@ -416,7 +412,9 @@ class SumShard(TableHost):
                     dtype,
                     # A lossy partial sum keeps its error here, per chunk, as a
                     # worker does for its pushes.
-                    self._codec.encode_np(slot.acc, dtype, key=(model, key))
+                    self._codec.encode_np(
+                        slot.acc, dtype, key=self._codec.chunk_key(model, slot.step, key)
+                    )
                     if converts
                     else slot.acc,
                     # Unconverted, the answer lands in the accumulator itself.

@@ -223,5 +223,6 @@ class ChunkSums:
             # worker reading shared memory gets exactly the values they decode. (When
             # every worker shares memory, nothing is encoded and nothing rounded.)
             # A lossy encoding keeps this shard's error for the chunk's next sum.
-            slot.encoded = self._codec.encode_rounded(slot.acc, dtype, (model, key))
+            feedback_key = self._codec.chunk_key(model, slot.step, key)
+            slot.encoded = self._codec.encode_rounded(slot.acc, dtype, feedback_key)
         slot.done.set()

@@ -84,9 +84,10 @@ def table_loop(config: dict[str, Any]) -> None:
 
     Config: ``steps``, ``optimizer``, ``meta``; optional ``plain`` (checkpoint the
     tables as DDP's loop does, with torch's state dicts only), ``resume`` (load the
-    tables from the checkpoint Ray Train hands back) and ``every`` (checkpoint
+    tables from the checkpoint Ray Train hands back), ``every`` (checkpoint
     every that many steps, ``crash_after`` a step at which rank 1 exits once,
-    ``marker_dir`` for that once).
+    ``marker_dir`` for that once) and ``feedback`` (a lossy compression's
+    error-feedback state in the checkpoint: every rank reports its own files).
     """
     torch.manual_seed(SEED)
     rank = ray.train.get_context().get_world_rank()
@@ -111,6 +112,8 @@ def table_loop(config: dict[str, Any]) -> None:
                     getattr(model.module, name).load_state_dict({"weight": weight})
             else:
                 get_ps_context().load_tables(Path(d) / "tables")
+            if config.get("feedback"):
+                get_ps_context().load_compression_state(Path(d) / "compression")
 
     def loss_of() -> float:
         with torch.no_grad():
@@ -147,8 +150,11 @@ def _report(model: Any, opts: list, schedule: Any, step: int, metrics: dict, con
         plain = ctx is None or config.get("plain")
         if not plain:
             ctx.save_tables(Path(d) / "tables")  # every rank calls; rank 0 writes
+        if config.get("feedback"):
+            ctx.save_compression_state(Path(d) / "compression")  # every rank writes
         if rank != 0:
-            ray.train.report({**metrics, "step": step})
+            own = ray.train.Checkpoint.from_directory(d) if config.get("feedback") else None
+            ray.train.report({**metrics, "step": step}, checkpoint=own)
             return
         (Path(d) / "meta.json").write_text(json.dumps({"step": step}))
         torch.save(model.module.mlp.state_dict(), Path(d) / "mlp.pt")

@@ -237,6 +237,7 @@ class Settings:
         nan_policy="raise",
         compression=None,
         topk_ratio=0.01,
+        lowrank_rank=4,
         shared_memory=True,
         local_steps=32,
         outer_optimizer="nesterov",
@@ -250,7 +251,7 @@ class Settings:
         self.mode, self.staleness, self.chunk_bytes = mode, staleness, chunk_bytes
         self.ps_timeout_s, self.nan_policy = ps_timeout_s, nan_policy
         self.compression, self.shared_memory = compression, shared_memory
-        self.topk_ratio = topk_ratio
+        self.topk_ratio, self.lowrank_rank = topk_ratio, lowrank_rank
         self.local_steps, self.outer_optimizer = local_steps, outer_optimizer
         self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
         self.diloco_rounds, self.diloco_overlap = diloco_rounds, diloco_overlap

@@ -17,6 +17,8 @@ NET_LABELS = {
     "ps_sync_onebit": 'PS sync, `compression="onebit"`',
     "ps_sync_topk": 'PS sync, `compression="topk"` (1%)',
     "ps_sync_topk10": 'PS sync, `compression="topk"`, `topk_ratio=0.1`',
+    "ps_sync_lowrank": 'PS sync, `compression="lowrank"` (rank 4)',
+    "ps_sync_lowrank1": 'PS sync, `compression="lowrank"`, `lowrank_rank=1`',
     "ps_sync_store": 'PS sync, `data_path="object_store"`',
     "ps_sync_bf16_store": 'PS sync, bf16, `data_path="object_store"`',
     "ps_sync_noagg": "PS sync, `node_aggregation=False`",

@@ -1,0 +1,153 @@
+"""Error-feedback state in checkpoints: what every worker and shard has not sent yet.
+
+With a lossy compression each worker and each shard (node relays included) holds,
+per chunk, what its encoding left out so far, and ``"lowrank"`` the factors it
+learnt. Restarting without it drops all of that once. :func:`save_feedback`
+writes it beside a checkpoint: every worker its own file (Ray Train merges the
+files every worker reports into one checkpoint directory), rank 0 the shards'
+too. :func:`load_feedback` gives it back, so a resumed run goes on as the
+uninterrupted one would.
+
+Layout under the folder: ``meta.json`` (world size, shard count, compression),
+``worker<rank>.npz`` (one state per prepared model, in preparation order) and
+``shard<s>.npz``. In each ``.npz``, ``arr_0`` is a JSON header: each entry's
+compression (``null`` for a model with nothing lossy) and, for every further
+array ``arr_<i>``, its ``[entry, part, key]`` (``part`` is ``"errors"`` or
+``"learnt"``; tuple keys are stored as lists).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Hashable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ray_ps_plugin._transport import Transport, wait_all
+
+if TYPE_CHECKING:
+    from ray_ps_plugin._codec import Codec
+
+__all__ = ["load_feedback", "save_feedback"]
+
+logger = logging.getLogger(__name__)
+
+State = dict[str, Any]
+
+
+def save_feedback(
+    path: Path,
+    codecs: Sequence[Codec | None],
+    rank: int,
+    world_size: int,
+    transport: Transport,
+    num_shards: int,
+    timeout_s: float,
+) -> None:
+    """Writes this worker's state (every model's ``codecs``) under ``path``; rank 0
+    also each shard's and ``meta.json``.
+
+    Raises:
+        PSError: A shard did not answer within ``timeout_s``.
+    """
+    path.mkdir(parents=True, exist_ok=True)
+    _write(path / f"worker{rank}.npz", [c.feedback_state() if c else None for c in codecs])
+    if rank != 0:
+        return
+    shards = list(range(num_shards))
+    calls = [transport.call(s, "feedback_state") for s in shards]
+    states = wait_all(transport, calls, shards, timeout_s, "reading error-feedback state")
+    for s, state in zip(shards, states):
+        _write(path / f"shard{s}.npz", [state])
+    compression = next((c.compression for c in codecs if c is not None), None)
+    meta = {"world_size": world_size, "num_shards": num_shards, "compression": compression}
+    (path / "meta.json").write_text(json.dumps(meta))
+
+
+def load_feedback(
+    path: Path,
+    codecs: Sequence[Codec | None],
+    rank: int,
+    world_size: int,
+    transport: Transport,
+    num_shards: int,
+    timeout_s: float,
+) -> bool:
+    """Holds what :func:`save_feedback` wrote under ``path`` (rank 0 hands the
+    shards theirs); whether it did. A state saved by a run of another world size,
+    shard count or compression is left out with a warning: each chunk's error
+    belongs to one sender and one chunk layout.
+
+    Raises:
+        PSError: A shard did not answer within ``timeout_s``.
+    """
+    compression = next((c.compression for c in codecs if c is not None), None)
+    now = {"world_size": world_size, "num_shards": num_shards, "compression": compression}
+    meta_file = path / "meta.json"
+    saved = json.loads(meta_file.read_text()) if meta_file.exists() else None
+    if saved != now:
+        logger.warning(
+            "rank %d: no error-feedback state taken from %s (%s; this run: %s): the "
+            "errors start empty, and what the saved run held is dropped once.",
+            rank,
+            path,
+            f"saved by a run with {saved}" if saved else "none saved there",
+            now,
+        )
+        return False
+    for codec, state in zip(codecs, _read(path / f"worker{rank}.npz", len(codecs))):
+        if state is not None and codec is not None:
+            codec.load_feedback_state(state)
+    if rank == 0:
+        shards = list(range(num_shards))
+        calls = [
+            transport.call(s, "load_feedback_state", _read(path / f"shard{s}.npz", 1)[0])
+            for s in shards
+        ]
+        wait_all(transport, calls, shards, timeout_s, "restoring error-feedback state")
+    return True
+
+
+def _write(file: Path, states: Sequence[State | None]) -> None:
+    arrays: list[np.ndarray] = []
+    index: list[list[Any]] = []
+    for entry, state in enumerate(states):
+        if state is None:
+            continue
+        for part in ("errors", "learnt"):
+            for key, value in state[part].items():
+                index.append([entry, part, _key_to_json(key)])
+                arrays.append(value)
+    compressions = [s["compression"] if s else None for s in states]
+    header = json.dumps({"index": index, "compressions": compressions})
+    np.savez(file, np.array(header), *arrays)
+
+
+def _read(file: Path, entries: int) -> list[State | None]:
+    with np.load(file) as data:
+        header = json.loads(str(data["arr_0"]))
+        states: list[State | None] = [
+            {"compression": c, "errors": {}, "learnt": {}} if c else None
+            for c in header["compressions"]
+        ]
+        for i, (entry, part, key) in enumerate(header["index"]):
+            state = states[entry]
+            assert state is not None
+            state[part][_key_from_json(key)] = data[f"arr_{i + 1}"]
+    if len(states) != entries:
+        raise ValueError(
+            f"{file} holds error-feedback state for {len(states)} model(s), but "
+            f"{entries} are prepared: prepare the same models as the saved run first."
+        )
+    return states
+
+
+def _key_to_json(key: Hashable) -> Any:
+    return [_key_to_json(k) for k in key] if isinstance(key, tuple) else key
+
+
+def _key_from_json(key: Any) -> Hashable:
+    return tuple(_key_from_json(k) for k in key) if isinstance(key, list) else key
