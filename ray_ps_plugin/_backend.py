@@ -23,8 +23,10 @@ from ray_ps_plugin._keeper import ReplicaKeeper
 from ray_ps_plugin._modes import spec_of
 from ray_ps_plugin._placement import (
     BackendSettings,
+    nodes_for_replicas,
     place_replicas,
     place_shards,
+    replica_on,
     unplaced_shards_message,
 )
 from ray_ps_plugin._ray_compat import (
@@ -135,9 +137,10 @@ class PSBackend(TorchBackend):
             self._keeper = ReplicaKeeper(
                 self._failover,
                 list(zip(server_nodes, replica_nodes)),
-                functools.partial(self._replica_away, worker_group, cfg),
+                functools.partial(self._replica_on, worker_group, cfg),
                 self._tell_workers,
                 cfg.ps_timeout_s,
+                functools.partial(nodes_for_replicas, worker_group, cfg),
             )
             self._keeper.start()
         logger.info(
@@ -168,9 +171,9 @@ class PSBackend(TorchBackend):
             for i, placement in enumerate(placements)
         ]
 
-    def _replica_away(self, worker_group: Any, cfg: BackendSettings, shard: int, node: str) -> Any:
-        """Starts a new replica of ``shard`` away from ``node`` (see ReplicaKeeper)."""
-        placement = place_replicas(worker_group, cfg, [node])[0]
+    def _replica_on(self, worker_group: Any, cfg: BackendSettings, shard: int, node: str) -> Any:
+        """Starts a new replica of ``shard`` on ``node`` (the ReplicaKeeper chose it)."""
+        placement = replica_on(worker_group, cfg, node, shard)
         return self._start_shards([placement], len(worker_group), cfg, first=shard)[0]
 
     def _tell_workers(self, shard: int, primary: Any, replica: Any) -> None:

@@ -7,6 +7,13 @@ again there. Every call a worker makes may be made twice: a push is applied once
 by its clock, a pull or an init changes nothing the second time. The promotion is
 per worker process and idempotent on the replica, so whichever worker notices
 first, all end up on the replica.
+
+A call is guarded against the actor it was made to, read once by the caller: a
+promotion by another thread between the call and its guard must neither leave the
+call unguarded (its failure would end the run while a live replica serves the
+shard) nor blame the replica for the old primary's death. Actors are told apart by
+their id (handles compare so), not by the handle object: the controller hands a
+worker new handle objects for the same actors.
 """
 
 from __future__ import annotations
@@ -42,12 +49,15 @@ class Failover:
         self._servers = servers
         self._first = list(servers)  # the shards the worker attached shared memory to
         self._replicas = {s: r for s, r in enumerate(replicas) if r is not None}
+        # A run with replicas guards every call, even to a shard without one now:
+        # the controller may give it a new replica while the call is in flight.
+        self._replicated = bool(self._replicas)
         self._timeout_s = timeout_s
         self._lock = threading.Lock()
 
     def moved(self, shard: int) -> bool:
         """Whether another actor than the first serves ``shard`` now."""
-        return self._servers[shard] is not self._first[shard]
+        return not _same(self._servers[shard], self._first[shard])
 
     @property
     def num_shards(self) -> int:
@@ -57,6 +67,10 @@ class Failover:
         """The actor that serves ``shard`` now."""
         return self._servers[shard]
 
+    def first(self, shard: int) -> Any:
+        """The actor ``shard`` started on (the one a worker shares memory with)."""
+        return self._first[shard]
+
     def replica(self, shard: int) -> Any:
         """``shard``'s replica, or ``None`` (never had one, or it was promoted)."""
         return self._replicas.get(shard)
@@ -64,18 +78,27 @@ class Failover:
     def set_shard(self, shard: int, primary: Any, replica: Any) -> None:
         """Who serves ``shard`` now and its new replica (the controller made it)."""
         with self._lock:
-            self._servers[shard] = primary
+            if not _same(self._servers[shard], primary):
+                self._servers[shard] = primary
             self._replicas[shard] = replica
+            self._replicated = True
 
     def guard(
-        self, shard: int, handle: concurrent.futures.Future[Any], resend: Callable[[], Any]
+        self,
+        shard: int,
+        target: Any,
+        handle: concurrent.futures.Future[Any],
+        resend: Callable[[], Any],
     ) -> concurrent.futures.Future[Any]:
-        """``handle`` (a call just made to ``shard``'s current actor), or, should that
-        actor die with a replica to take over, the result of ``resend()`` (a new
-        handle) made once the replica serves it."""
-        if shard not in self._replicas:
-            return handle  # no replica: a failure is final
-        target = self._servers[shard]
+        """``handle`` (a call just made to ``target``, an actor of ``shard``), or,
+        should ``target`` die with a replica to take over (or be replaced already),
+        the result of ``resend()`` (a new handle) made once another actor serves it.
+
+        ``target`` is the actor the caller called, not whoever serves the shard
+        now: a promotion may have happened in between.
+        """
+        if not self._replicated:
+            return handle  # no replicas in this run: a failure is final
         out: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
         def done(h: concurrent.futures.Future[Any]) -> None:
@@ -119,7 +142,7 @@ class Failover:
         import ray
 
         with self._lock:
-            if self._servers[shard] is not target:
+            if not _same(self._servers[shard], target):
                 return True  # already moved on: the call is made again there
             replica = self._replicas.get(shard)
             if replica is None or not _dead(target, error, self._timeout_s):
@@ -131,6 +154,12 @@ class Failover:
             del self._replicas[shard]  # until the controller makes a new one
             logger.warning("parameter-server shard %d is lost; its replica serves it.", shard)
             return True
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` are handles of one actor (Ray's handles compare by
+    actor id; a handle that defines no equality is only the same as itself)."""
+    return a is b or bool(a == b)
 
 
 def _settle(out: concurrent.futures.Future[Any], h: concurrent.futures.Future[Any]) -> None:

@@ -9,12 +9,21 @@ can take it, away from the shard's node where there is another: the primary hand
 it a snapshot of its state and every change after it, in order, before the
 workers are told where to fail over to. So a run survives one loss after another,
 as long as the next comes after the new replica is made.
+
+The keeper picks the new replica's node itself, among the nodes that may take one
+now, and passes over the nodes where it lately found an actor of the run dead: Ray
+lists a node removed without grace as alive until its health checks run out (about
+15 s by default), and a replica pinned to it would never start. A replica that
+starts on its primary's node although another node was chosen is refused (killed,
+and made again at the next look): a node's loss would take the shard and its only
+copy together.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +36,10 @@ logger = logging.getLogger(__name__)
 
 #: Seconds between two looks at the shards.
 PERIOD_S = 1.0
+#: Seconds a node where the keeper found an actor of the run dead is passed over for
+#: new replicas while another node can take them (longer than Ray takes to declare
+#: a node removed without grace dead).
+AVOID_S = 60.0
 
 
 class ReplicaKeeper:
@@ -35,10 +48,12 @@ class ReplicaKeeper:
     Args:
         failover: The controller's view of who serves each shard.
         nodes: The node id of each shard's actor and of its replica, in shard order.
-        start_replica: Starts a replica for a shard away from the given node
-            (``None``: no node can take one now); does not wait for it.
+        start_replica: Starts a replica of a shard on the given node; does not wait
+            for it.
         tell_workers: Tells every worker who serves a shard and its new replica.
         timeout_s: Bound on every call the keeper waits for.
+        nodes_for_replicas: The nodes that may take a new replica now (alive, carrying
+            what a shard asks for), in a stable order.
     """
 
     def __init__(
@@ -48,6 +63,7 @@ class ReplicaKeeper:
         start_replica: Callable[[int, str], Any],
         tell_workers: Callable[[int, Any, Any], None],
         timeout_s: float,
+        nodes_for_replicas: Callable[[], list[str]],
     ) -> None:
         self._failover = failover
         self._nodes = list(nodes)
@@ -55,6 +71,8 @@ class ReplicaKeeper:
         self._start_replica = start_replica
         self._tell_workers = tell_workers
         self._timeout_s = timeout_s
+        self._nodes_for_replicas = nodes_for_replicas
+        self._lost: dict[str, float] = {}  # node id -> when an actor was found dead there
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ps-replica-keeper", daemon=True)
         self.made: list[Any] = []  # every replica made here, for the backend to kill
@@ -77,37 +95,78 @@ class ReplicaKeeper:
                 try:
                     self.keep(shard)
                 except Exception as e:  # the next look tries again
+                    if self._stop.is_set():
+                        return  # stopping: the backend kills what is being started
                     logger.warning("Could not keep shard %d replicated: %s", shard, e)
 
     def keep(self, shard: int) -> None:
         """One look at ``shard``: promote its replica if it died, replicate it anew
         if its replica is gone."""
-        import ray
-
         self._failover.take_over_if_dead(shard)
         primary = self._failover.server(shard)
         if primary is not self._serving[shard]:  # its replica was promoted
             self._serving[shard] = primary
+            self._lost_on(self._nodes[shard][0])
             self._nodes[shard] = (self._nodes[shard][1], "")
         replica = self._failover.replica(shard)
-        if replica is not None and not _dead(replica, self._timeout_s):
-            return
-        new = self._start_replica(shard, self._nodes[shard][0])
-        if new is None:
+        if replica is not None:
+            if not _dead(replica, self._timeout_s):
+                return
+            self._lost_on(self._nodes[shard][1])
+        where = self._choose(shard)
+        if where is None:
             return  # no node can take it now; the next look tries again
+        self._replicate(shard, primary, where)
+
+    def _choose(self, shard: int) -> str | None:
+        """The node for ``shard``'s new replica: another than its primary's, where
+        nothing was found dead lately if such a node can take it; the primary's own
+        node only when no other can (the replica then outlives the shard's process
+        only). ``None``: no node can take one now."""
+        now = time.monotonic()
+        self._lost = {n: t for n, t in self._lost.items() if now - t < AVOID_S}
+        nodes = self._nodes_for_replicas()
+        primary_node = self._nodes[shard][0]
+        others = [n for n in nodes if n != primary_node]
+        fresh = [n for n in others if n not in self._lost]
+        pick = fresh or others or [n for n in nodes if n == primary_node]
+        return pick[shard % len(pick)] if pick else None
+
+    def _replicate(self, shard: int, primary: Any, where: str) -> None:
+        """Starts a replica of ``shard`` on node ``where``, has ``primary`` seed it,
+        then tells the workers.
+
+        Raises:
+            RuntimeError: The replica did not start, started on its primary's node
+                although ``where`` is another, or was not seeded; it is killed.
+        """
+        import ray
+
+        new = self._start_replica(shard, where)
         self.made.append(new)
+        primary_node = self._nodes[shard][0]
         step = "start"
         try:
             info = ray.get(new.ready.remote(), timeout=self._timeout_s)
+            if info["node_id"] == primary_node and where != primary_node:
+                step = "start away from its primary"
+                raise RuntimeError(f"it runs on the primary's node {primary_node[:12]}")
             step = "seed"
             ray.get(primary.add_replica.remote(new), timeout=self._timeout_s)
         except Exception as e:
             ray.kill(new, no_restart=True)
+            if step == "start":  # e.g. pinned to a node Ray lists but is gone
+                self._lost_on(where)
             raise RuntimeError(f"the new replica did not {step} ({e})") from e
-        self._nodes[shard] = (self._nodes[shard][0], info["node_id"])
+        self._nodes[shard] = (primary_node, info["node_id"])
         self._failover.set_shard(shard, primary, new)
         self._tell_workers(shard, primary, new)
         logger.info("Shard %d has a new replica on node %s.", shard, info["node_id"][:12])
+
+    def _lost_on(self, node: str) -> None:
+        """Passes over ``node`` for new replicas for a while (from the first loss)."""
+        if node:
+            self._lost.setdefault(node, time.monotonic())
 
 
 def _dead(actor: Any, timeout_s: float) -> bool:

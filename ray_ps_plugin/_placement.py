@@ -30,8 +30,10 @@ from ray_ps_plugin._types import RunSettings, ServerPlacement
 __all__ = [
     "BackendSettings",
     "ShardPlacement",
+    "nodes_for_replicas",
     "place_replicas",
     "place_shards",
+    "replica_on",
     "unplaced_shards_message",
 ]
 
@@ -125,8 +127,7 @@ def _in_worker_bundles(
 def _on_server_nodes(resources: Mapping[str, float], count: int) -> list[ShardPlacement]:
     """``count`` shards asking for ``resources``, spread over the nodes carrying them
     (Ray's SPREAD strategy; an autoscaler may add such nodes while they wait)."""
-    custom = {k: float(v) for k, v in resources.items() if k != "CPU"}
-    cpus = float(resources.get("CPU", 0))
+    cpus, custom = _asked(resources)
     return [ShardPlacement("SPREAD", cpus, custom) for _ in range(count)]
 
 
@@ -138,14 +139,11 @@ def place_replicas(
     the next worker on another node (the same node, in the next worker's bundle,
     when all share one: the replica then outlives the shard's process only)."""
     if cfg.server_resources:
-        custom = {k: float(v) for k, v in cfg.server_resources.items() if k != "CPU"}
-        cpus = float(cfg.server_resources.get("CPU", 0))
-        carrying = _carrying(custom)
+        carrying = nodes_for_replicas(worker_group, cfg)
         placements = []
         for i, node in enumerate(shard_nodes):
             others = [n for n in carrying if n != node] or [node]
-            strategy = NodeAffinitySchedulingStrategy(others[i % len(others)], soft=False)
-            placements.append(ShardPlacement(strategy, cpus, custom))
+            placements.append(replica_on(worker_group, cfg, others[i % len(others)], i))
         return placements
     bundles = _in_worker_bundles(worker_group, None, False)
     nodes = [p.node_id for p in worker_places(worker_group)]
@@ -155,6 +153,40 @@ def place_replicas(
         elsewhere = [w for w in order if nodes[w] != node]
         out.append(bundles[(elsewhere or order)[0]])
     return out
+
+
+def nodes_for_replicas(worker_group: Any, cfg: BackendSettings) -> list[str]:
+    """The nodes that may take a new replica now, in a stable order: the nodes Ray
+    lists alive that carry ``server_resources``, or else the workers' nodes."""
+    if cfg.server_resources:
+        return _carrying(_asked(cfg.server_resources)[1])
+    return list(dict.fromkeys(p.node_id for p in worker_places(worker_group)))
+
+
+def replica_on(worker_group: Any, cfg: BackendSettings, node: str, shard: int) -> ShardPlacement:
+    """A placement on ``node`` for ``shard``'s replica: pinned there (hard affinity:
+    a replica never drifts onto another node) asking for ``server_resources``, or
+    else in the bundle of a worker there, the first after worker ``shard % W``.
+
+    Raises:
+        ValueError: Without ``server_resources``, when no worker runs on ``node``.
+    """
+    if cfg.server_resources:
+        cpus, custom = _asked(cfg.server_resources)
+        return ShardPlacement(NodeAffinitySchedulingStrategy(node, soft=False), cpus, custom)
+    bundles = _in_worker_bundles(worker_group, None, False)
+    nodes = [p.node_id for p in worker_places(worker_group)]
+    for k in range(len(nodes)):
+        w = (shard + 1 + k) % len(nodes)
+        if nodes[w] == node:
+            return bundles[w]
+    raise ValueError(f"no worker runs on node {node}")
+
+
+def _asked(resources: Mapping[str, float]) -> tuple[float, dict[str, float]]:
+    """The CPUs and the custom resources a shard on a server node asks for."""
+    custom = {k: float(v) for k, v in resources.items() if k != "CPU"}
+    return float(resources.get("CPU", 0)), custom
 
 
 def _carrying(custom: Mapping[str, float]) -> list[str]:

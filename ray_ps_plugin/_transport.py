@@ -156,8 +156,9 @@ class Transport(Protocol):
     def guard(
         self, shard: int, handle: Handle[Any], resend: Callable[[], Handle[Any]]
     ) -> Handle[Any]:
-        """``handle``, or, should ``shard`` die with a replica to take over, the
-        result of ``resend()`` made once the replica serves it (see :meth:`moved`)."""
+        """``handle`` (a call through shared memory, so to ``shard``'s first actor),
+        or, should that actor die with a replica to take over, the result of
+        ``resend()`` made once the replica serves it (see :meth:`moved`)."""
         ...
 
     def moved(self, shard: int) -> bool:
@@ -258,17 +259,28 @@ class RayTransport:
             direct.close()
 
     def call(self, shard: int, method: str, *args: Any) -> Handle[Any]:
+        local = method in _LOCAL_CALLS
+        # Shared memory is with the shard's first actor; a message goes to whoever
+        # serves the shard now. The actor is read once and guarded as called: a
+        # promotion by another thread before the guard must not leave this call
+        # unguarded (CI lost a run so, to a push made as the replica took over).
+        target = self._failover.first(shard) if local else self._failover.server(shard)
         # Ray serialises the arguments inside .remote(): buffers passed here may be
         # reused as soon as this returns.
-        future: Handle[Any] = getattr(self._servers[shard], method).remote(*args).future()
-        if method in _LOCAL_CALLS:
+        future: Handle[Any] = getattr(target, method).remote(*args).future()
+        if local:
             return future  # the caller guards it with a call by message
-        return self.guard(shard, future, lambda: self.call(shard, method, *args))
+        return self._failover.guard(shard, target, future, lambda: self.call(shard, method, *args))
 
     def guard(
         self, shard: int, handle: Handle[Any], resend: Callable[[], Handle[Any]]
     ) -> Handle[Any]:
-        return self._failover.guard(shard, handle, resend)
+        # Only calls through shared memory are guarded here: made to the first actor.
+        return self._failover.guard(shard, self._failover.first(shard), handle, resend)
+
+    def server(self, shard: int) -> Any:
+        """The actor that serves ``shard`` now."""
+        return self._failover.server(shard)
 
     def moved(self, shard: int) -> bool:
         return self._failover.moved(shard)

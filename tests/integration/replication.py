@@ -114,9 +114,8 @@ def _name_the_second_victim(out_dir: Path) -> None:
 
 def _every_shard_replicated(transport: Any, num_shards: int) -> bool:
     """Whether shard 0 moved to its replica and every shard has a replica that
-    answers (a replica lost with the first node does not)."""
-    from ray_ps_plugin._ray_compat import ping_actor
-
+    answers (a replica lost with the first node does not) on another node than the
+    actor serving the shard: the second loss must leave every shard a copy."""
     if transport is None or not transport.moved(0):
         return False
     for shard in range(num_shards):
@@ -124,8 +123,12 @@ def _every_shard_replicated(transport: Any, num_shards: int) -> bool:
         if replica is None:
             return False
         try:
-            ray.get(ping_actor(replica), timeout=2)
+            here, there = ray.get(
+                [transport.server(shard).ready.remote(), replica.ready.remote()], timeout=2
+            )
         except Exception:
+            return False
+        if here["node_id"] == there["node_id"]:
             return False
     return True
 

@@ -197,11 +197,14 @@ def test_a_call_to_a_dead_primary_is_made_again_on_its_promoted_replica(monkeypa
     def call():
         return servers[0].push_pull.remote(1).future()
 
-    assert failover.guard(0, call(), call).result(5) == "from the replica"
+    assert failover.guard(0, primary, call(), call).result(5) == "from the replica"
     assert servers[0] is replica and failover.moved(0)
     assert replica.calls == ["promote", "push_pull"]
-    # Later calls go to the replica unguarded: its own failure is final.
-    assert failover.guard(0, call(), call).result(5) == "from the replica"
+    # Later calls go to the replica: with no replica of its own, its failure is final.
+    assert failover.guard(0, replica, call(), call).result(5) == "from the replica"
+    replica.error = ray.exceptions.ActorDiedError()
+    with pytest.raises(ray.exceptions.ActorDiedError):
+        failover.guard(0, replica, call(), call).result(5)
 
 
 def test_a_failed_call_to_a_live_primary_fails_and_promotes_nothing(monkeypatch):
@@ -215,8 +218,72 @@ def test_a_failed_call_to_a_live_primary_fails_and_promotes_nothing(monkeypatch)
         return servers[0].push_pull.remote(1).future()
 
     with pytest.raises(ConnectionError):
-        failover.guard(0, call(), call).result(5)
+        failover.guard(0, primary, call(), call).result(5)
     assert servers[0] is primary and not failover.moved(0) and replica.calls == []
+
+
+def test_a_call_made_as_another_thread_promotes_the_replica_is_made_again_there(monkeypatch):
+    """The race CI lost a run to: a push reaches the dead primary, the replica is
+    promoted (by another call's failover) before the push is guarded; the push is
+    still guarded against the actor it went to, so it is made again on the replica
+    instead of failing the run."""
+    primary = FakeActor(error=ray.exceptions.ActorDiedError())
+    replica = FakeActor(result="from the replica")
+    servers, failover = _failover(primary, replica, monkeypatch, dead=True)
+    target = failover.server(0)
+    handle = target.push_pull.remote(1).future()  # the call, read before the promotion
+    assert failover.take_over_if_dead(0) and servers[0] is replica  # meanwhile
+
+    def resend():
+        return failover.server(0).push_pull.remote(1).future()
+
+    assert failover.guard(0, target, handle, resend).result(5) == "from the replica"
+    assert replica.calls == ["promote", "push_pull"]
+
+
+class SameActor(FakeActor):
+    """Handles that compare equal when they name one actor, as Ray's do."""
+
+    def __init__(self, actor_id, **kwargs):
+        super().__init__(**kwargs)
+        self.actor_id = actor_id
+
+    def __eq__(self, other):
+        return isinstance(other, SameActor) and other.actor_id == self.actor_id
+
+    def __hash__(self):
+        return hash(self.actor_id)
+
+
+def test_a_new_handle_of_the_same_primary_is_no_move(monkeypatch):
+    """The controller hands the workers new handle objects: the same primary with a
+    new replica is not a move (shared memory with it stays in use)."""
+    primary = SameActor("p")
+    servers, failover = _failover(primary, SameActor("r1"), monkeypatch, dead=True)
+    failover.set_shard(0, SameActor("p"), SameActor("r2"))
+    assert servers[0] is primary and not failover.moved(0)
+    assert failover.replica(0) == SameActor("r2")
+
+
+def test_a_call_in_flight_fails_over_to_a_replica_given_meanwhile(monkeypatch):
+    """A call to a promoted replica, made while the shard had no replica, fails over
+    to the new replica the controller gave it before the call failed."""
+    first = SameActor("p", error=ray.exceptions.ActorDiedError())
+    promoted = SameActor("r1", error=ray.exceptions.ActorDiedError())
+    servers, failover = _failover(first, promoted, monkeypatch, dead=True)
+    assert failover.take_over_if_dead(0) and failover.replica(0) is None
+    in_flight = concurrent.futures.Future()
+
+    def resend():
+        return failover.server(0).push_pull.remote(1).future()
+
+    out = failover.guard(0, promoted, in_flight, resend)
+    new = SameActor("r2", result="from the new replica")
+    failover.set_shard(0, SameActor("r1"), new)
+    assert servers[0] is promoted
+    in_flight.set_exception(ray.exceptions.ActorDiedError())
+    assert out.result(5) == "from the new replica"
+    assert servers[0] is new and new.calls == ["promote", "push_pull"]
 
 
 @pytest.mark.parametrize(
