@@ -15,8 +15,9 @@ run (``CosineAnnealingLR``), as the DiLoCo paper does for its inner optimizer;
   (``diloco_h32_int8``, ``diloco_h32_int4``: the changes as 8- or 4-bit levels with
   error feedback, the replies as bf16; every round by message);
 - ``ddp_bf16``: DDP with torch's ``bf16_compress_hook``; ``ps_sync_bf16``,
-  ``ps_sync_onebit``, ``ps_sync_topk`` (1% of values) and ``ps_sync_topk10``
-  (10%): sync parameter servers with ``compression`` set, every chunk by message
+  ``ps_sync_onebit``, ``ps_sync_topk`` (1% of values), ``ps_sync_topk10``
+  (10%), ``ps_sync_lowrank`` (rank 4) and ``ps_sync_lowrank1`` (rank 1): sync
+  parameter servers with ``compression`` set, every chunk by message
   (``shared_memory=False``), so every push and every sum is compressed: more than
   on two nodes of one worker each, where a worker's own node's shard reads its
   chunks at full precision;
@@ -33,9 +34,11 @@ wall time.
     python benchmarks/diloco_digits.py --quick    # smoke run
 
 The compression run writes ``--variants
-ddp,ddp_bf16,ps_sync,ps_sync_bf16,ps_sync_onebit,ps_sync_topk,ps_sync_topk10,diloco_h32,
-diloco_h32_int8,diloco_h32_int4 --out
-benchmarks/results/compression_digits.json --plot docs/img/compression_digits.png``.
+ddp,ddp_bf16,ps_sync,ps_sync_bf16,ps_sync_onebit,ps_sync_topk,ps_sync_topk10,
+ps_sync_lowrank,ps_sync_lowrank1,diloco_h32,diloco_h32_int8,diloco_h32_int4 --out
+benchmarks/results/compression_digits.json --plot docs/img/compression_digits.png``;
+``--replot --link-result net_2x1_100mbit,... --tta-plot docs/img/compression_tta.png``
+then draws accuracy against time at 100 Mbit/s from it.
 The cosine run writes ``--out benchmarks/results/diloco_digits_cosine.json --plot
 docs/img/diloco_digits_cosine.png``.
 
@@ -205,6 +208,12 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
         "first that ran it (diloco_h32 as ps_diloco_h32), into --tta-plot",
     )
     p.add_argument("--tta-plot", default="docs/img/compression_tta.png")
+    p.add_argument(
+        "--replot",
+        action="store_true",
+        help="train nothing: draw --plot (and --tta-plot from --link-result) from the "
+        "curves in --out, e.g. once a bed result with the variants' step times exists",
+    )
     args = p.parse_args()
     if args.quick:
         args.seeds, args.steps = 1, 256
@@ -290,6 +299,12 @@ def print_table(summary: dict[str, Any], names: list[str]) -> None:
 def main() -> None:
     """Runs the variants for every seed, stores the results and plot, prints the table."""
     args, names = parse_args()
+    if args.replot:
+        curves = json.loads(Path(args.out).read_text())["curves"]
+        _plot(curves, args)
+        if args.link_result:
+            _plot_link_time(curves, args)
+        return
     ray.init(num_cpus=2, log_to_driver=False)
     curves = run_all(names, args)
     ray.shutdown()
