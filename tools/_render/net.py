@@ -111,7 +111,7 @@ def _net_bytes_model(variant: str, nodes: int, k: int, model_bytes: float) -> fl
 def _encoded_fraction(variant: str) -> float:
     """Bytes a variant's encoding sends per byte of fp32, by the encoding's own
     arithmetic on the 1 MiB chunks that cross nodes (headers and scales included)."""
-    from ray_ps_plugin._lossy import OneBit, TopK
+    from ray_ps_plugin._lossy import LowRank, OneBit, TopK
 
     n = (1 << 20) // 4
     if variant.endswith("_onebit"):
@@ -120,6 +120,8 @@ def _encoded_fraction(variant: str) -> float:
         return TopK(0.01).nbytes(n) / (4 * n)
     if variant.endswith("_topk10"):
         return TopK(0.1).nbytes(n) / (4 * n)
+    if variant.endswith("_lowrank"):
+        return LowRank(4).nbytes(n) / (4 * n)
     return 0.5 if "bf16" in variant else 1.0
 
 
