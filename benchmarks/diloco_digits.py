@@ -13,7 +13,9 @@ run (``CosineAnnealingLR``), as the DiLoCo paper does for its inner optimizer;
   outer lr (``diloco_h32_olr0.35``), plain averaging (``diloco_h32_average``) and
   one round of delay (``diloco_h32_overlap``), and rounds quantized
   (``diloco_h32_int8``, ``diloco_h32_int4``: the changes as 8- or 4-bit levels with
-  error feedback, the replies as bf16; every round by message);
+  error feedback, the replies as bf16; every round by message), 4-bit rounds
+  with half the outer lr or plain averaging (``diloco_h32_int4_olr0.35``,
+  ``diloco_h32_int4_average``);
 - ``ddp_bf16``: DDP with torch's ``bf16_compress_hook``; ``ps_sync_bf16``,
   ``ps_sync_onebit``, ``ps_sync_topk`` (1% of values), ``ps_sync_topk10``
   (10%), ``ps_sync_lowrank`` (rank 4) and ``ps_sync_lowrank1`` (rank 1): sync
@@ -105,6 +107,15 @@ VARIANTS: dict[str, tuple[dict[str, Any], bool]] = {
     # Quantized round changes (replies as bf16), every round by message.
     "diloco_h32_int8": (_diloco(32, compression="int8", shared_memory=False), False),
     "diloco_h32_int4": (_diloco(32, compression="int4", shared_memory=False), False),
+    # 4-bit rounds with the outer steps that trained closest to DDP at H = 32.
+    "diloco_h32_int4_olr0.35": (
+        _diloco(32, compression="int4", shared_memory=False, outer_lr=0.35),
+        False,
+    ),
+    "diloco_h32_int4_average": (
+        _diloco(32, compression="int4", shared_memory=False, outer_optimizer="average"),
+        False,
+    ),
     "ddp_straggler": ({"strategy": "ddp"}, True),
     "diloco_h32_straggler": (_diloco(32), True),
     "diloco_async_h32_straggler": (_diloco(32, diloco_rounds="async", staleness=2), True),
