@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,51 +32,63 @@ from ray_ps_plugin._transport import Transport, wait_all
 if TYPE_CHECKING:
     from ray_ps_plugin._codec import Codec
 
-__all__ = ["load_feedback", "save_feedback"]
+__all__ = ["Senders", "load_feedback", "save_feedback"]
 
 logger = logging.getLogger(__name__)
 
 State = dict[str, Any]
 
 
-def save_feedback(
-    path: Path,
-    codecs: Sequence[Codec | None],
-    rank: int,
-    world_size: int,
-    transport: Transport,
-    num_shards: int,
-    timeout_s: float,
-) -> None:
+@dataclass(frozen=True)
+class Senders:
+    """Who holds a run's error feedback, seen from one worker.
+
+    Attributes:
+        rank: This worker's rank (rank 0 also speaks for the shards).
+        world_size: The run's number of workers.
+        transport: How calls reach the shards.
+        num_shards: The run's number of shards.
+        timeout_s: Bound on every wait for a shard (``ps_timeout_s``).
+    """
+
+    rank: int
+    world_size: int
+    transport: Transport
+    num_shards: int
+    timeout_s: float
+
+    def shape(self, codecs: Sequence[Codec | None]) -> dict[str, Any]:
+        """What a saved state must have been saved by to be loaded here."""
+        compression = next((c.compression for c in codecs if c is not None), None)
+        return {
+            "world_size": self.world_size,
+            "num_shards": self.num_shards,
+            "compression": compression,
+        }
+
+
+def save_feedback(path: Path, codecs: Sequence[Codec | None], senders: Senders) -> None:
     """Writes this worker's state (every model's ``codecs``) under ``path``; rank 0
     also each shard's and ``meta.json``.
 
     Raises:
         PSError: A shard did not answer within ``timeout_s``.
     """
+    rank, transport = senders.rank, senders.transport
     path.mkdir(parents=True, exist_ok=True)
     _write(path / f"worker{rank}.npz", [c.feedback_state() if c else None for c in codecs])
     if rank != 0:
         return
-    shards = list(range(num_shards))
+    shards = list(range(senders.num_shards))
     calls = [transport.call(s, "feedback_state") for s in shards]
-    states = wait_all(transport, calls, shards, timeout_s, "reading error-feedback state")
+    where = "reading error-feedback state"
+    states = wait_all(transport, calls, shards, senders.timeout_s, where)
     for s, state in zip(shards, states):
         _write(path / f"shard{s}.npz", [state])
-    compression = next((c.compression for c in codecs if c is not None), None)
-    meta = {"world_size": world_size, "num_shards": num_shards, "compression": compression}
-    (path / "meta.json").write_text(json.dumps(meta))
+    (path / "meta.json").write_text(json.dumps(senders.shape(codecs)))
 
 
-def load_feedback(
-    path: Path,
-    codecs: Sequence[Codec | None],
-    rank: int,
-    world_size: int,
-    transport: Transport,
-    num_shards: int,
-    timeout_s: float,
-) -> bool:
+def load_feedback(path: Path, codecs: Sequence[Codec | None], senders: Senders) -> bool:
     """Holds what :func:`save_feedback` wrote under ``path`` (rank 0 hands the
     shards theirs); whether it did. A state saved by a run of another world size,
     shard count or compression is left out with a warning: each chunk's error
@@ -84,8 +97,7 @@ def load_feedback(
     Raises:
         PSError: A shard did not answer within ``timeout_s``.
     """
-    compression = next((c.compression for c in codecs if c is not None), None)
-    now = {"world_size": world_size, "num_shards": num_shards, "compression": compression}
+    rank, transport, now = senders.rank, senders.transport, senders.shape(codecs)
     meta_file = path / "meta.json"
     saved = json.loads(meta_file.read_text()) if meta_file.exists() else None
     if saved != now:
@@ -102,12 +114,12 @@ def load_feedback(
         if state is not None and codec is not None:
             codec.load_feedback_state(state)
     if rank == 0:
-        shards = list(range(num_shards))
+        shards = list(range(senders.num_shards))
         calls = [
             transport.call(s, "load_feedback_state", _read(path / f"shard{s}.npz", 1)[0])
             for s in shards
         ]
-        wait_all(transport, calls, shards, timeout_s, "restoring error-feedback state")
+        wait_all(transport, calls, shards, senders.timeout_s, "restoring error-feedback state")
     return True
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ray_ps_plugin._client import ClientBase, ClientSetup
-from ray_ps_plugin._feedback_state import load_feedback, save_feedback
+from ray_ps_plugin._feedback_state import Senders, load_feedback, save_feedback
 from ray_ps_plugin._metrics import WorkerMetrics
 from ray_ps_plugin._modes import staleness_bound
 from ray_ps_plugin._stats import PSStats
@@ -215,7 +215,7 @@ class PSContext:
         codecs = _feedback_codecs()
         if codecs:
             self.flush()
-            save_feedback(Path(path), codecs, *self._feedback_peers())
+            save_feedback(Path(path), codecs, self._feedback_senders())
 
     def load_compression_state(self, path: str | os.PathLike[str]) -> None:
         """Restores what :meth:`save_compression_state` wrote; call it on every worker
@@ -228,7 +228,7 @@ class PSContext:
         """
         codecs = _feedback_codecs()
         if codecs:
-            load_feedback(Path(path), codecs, *self._feedback_peers())
+            load_feedback(Path(path), codecs, self._feedback_senders())
             if self.world_size > 1:
                 import ray.train.collective
 
@@ -236,16 +236,10 @@ class PSContext:
                 # 0's load then replaces.
                 ray.train.collective.barrier()
 
-    def _feedback_peers(self) -> tuple[int, int, Transport, int, float]:
-        run = current_run()
+    def _feedback_senders(self) -> Senders:
+        timeout_s = current_run().settings.ps_timeout_s
         transport = _CLIENTS[0].transport
-        return (
-            self.world_rank,
-            self.world_size,
-            transport,
-            self.num_servers,
-            run.settings.ps_timeout_s,
-        )
+        return Senders(self.world_rank, self.world_size, transport, self.num_servers, timeout_s)
 
 
 def _feedback_codecs() -> list[Any]:

@@ -325,14 +325,14 @@ def test_saved_error_feedback_is_held_again_and_sent_by_the_resumed_run(
     over their next ten steps send it: what they receive plus what they hold at the
     end (and their first step's errors, dropped) is the exact means plus what they
     loaded. Without loading, the loaded part is missing."""
-    from ray_ps_plugin._feedback_state import load_feedback, save_feedback
+    from ray_ps_plugin._feedback_state import Senders, load_feedback, save_feedback
 
     world, numels = 2, [700, 2500]
     kw = {"num_servers": 2, "total_bytes": sum(numels) * 4, "chunk_bytes": 1024}
     first, transport = _clients(loop, world, compression=compression, **kw)
     _run_steps(first, world, 10, numels)
     for r, c in enumerate(first):
-        save_feedback(tmp_path, [c.feedback_codec()], r, world, transport, 2, 5.0)
+        save_feedback(tmp_path, [c.feedback_codec()], Senders(r, world, transport, 2, 5.0))
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "meta.json",
         "shard0.npz",
@@ -346,7 +346,9 @@ def test_saved_error_feedback_is_held_again_and_sent_by_the_resumed_run(
         clients, transport = _clients(loop, world, compression=compression, **kw)
         if load:
             for r, c in enumerate(clients):
-                assert load_feedback(tmp_path, [c.feedback_codec()], r, world, transport, 2, 5.0)
+                assert load_feedback(
+                    tmp_path, [c.feedback_codec()], Senders(r, world, transport, 2, 5.0)
+                )
         loaded = _all_held(clients)
         one, one_means = _run_steps(clients, world, 1, numels)
         dropped = _errors_held(clients, one_means, later=False)
@@ -378,18 +380,18 @@ def _all_held(clients):
 def test_error_feedback_state_of_another_run_shape_is_left_out_with_a_warning(
     loop, tmp_path, caplog
 ):
-    from ray_ps_plugin._feedback_state import load_feedback, save_feedback
+    from ray_ps_plugin._feedback_state import Senders, load_feedback, save_feedback
 
     clients, transport = _clients(
         loop, 2, num_servers=2, total_bytes=4096, chunk_bytes=1024, compression="onebit"
     )
     _run_steps(clients, 2, 2, [1024])
     for r, c in enumerate(clients):
-        save_feedback(tmp_path, [c.feedback_codec()], r, 2, transport, 2, 5.0)
+        save_feedback(tmp_path, [c.feedback_codec()], Senders(r, 2, transport, 2, 5.0))
     codec = clients[0].feedback_codec()
     held = {k: v.copy() for k, v in codec.feedback._errors.items()}
     # Saved by two workers, loaded by a run of four: each error belongs to a sender.
-    assert not load_feedback(tmp_path, [codec], 0, 4, transport, 2, 5.0)
+    assert not load_feedback(tmp_path, [codec], Senders(0, 4, transport, 2, 5.0))
     assert "no error-feedback state taken" in caplog.text
     assert all(np.array_equal(codec.feedback._errors[k], v) for k, v in held.items())
     with pytest.raises(ValueError, match="compression='onebit' cannot be loaded into a run"):
