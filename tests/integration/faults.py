@@ -4,6 +4,7 @@ Injected faults fire once per run: a marker file in ``config["marker_dir"]`` rec
 that they happened, so the restarted worker group trains on.
 """
 
+import contextlib
 import os
 import signal
 import time
@@ -116,6 +117,12 @@ def resumable_loop(config: dict[str, Any]) -> None:
             and step == config.get("fail_step")
             and _once(config, "fail")
         ):
+            # The checkpoints reported before are registered first: a worker that
+            # dies right after a report could otherwise take the report with it
+            # (Ray Train collects reports from live workers), and the restart
+            # would find no checkpoint, which is not the failure under test.
+            with contextlib.suppress(Exception):  # then it dies anyway
+                ray.train.get_all_reported_checkpoints(timeout_s=30)
             os._exit(1)  # the process dies mid-step: no cleanup, no report
         if rank == 0 and step == config.get("kill_step") and _once(config, "kill"):
             from tests.integration.loops import run_servers

@@ -260,23 +260,26 @@ def test_preemption_checkpoints_the_shards_and_resumes_losing_at_most_one_step(
 
 
 @pytest.mark.parametrize(
-    "ps",
+    ("ps", "fail_step"),
     # DiLoCo: a round every 4 steps, and the loop's flush() before every checkpoint
     # (each 5 steps) sends a shorter one on every worker; the checkpoint holds the
-    # outer state (get_ps_context().outer_state_dict()).
-    [{"mode": "async"}, {"mode": "diloco", "local_steps": 4}],
+    # outer state (get_ps_context().outer_state_dict()). After the flush that
+    # precedes step 10's checkpoint, the next round ends with step 13: the worker
+    # dies at 14, after it.
+    [({"mode": "async"}, 12), ({"mode": "diloco", "local_steps": 4}, 14)],
     ids=["async", "diloco"],
 )
-def test_stale_mode_restart_keeps_the_shards_state_over_the_checkpoint(tmp_path, ps):
+def test_stale_mode_restart_keeps_the_shards_state_over_the_checkpoint(tmp_path, ps, fail_step):
     """A worker dies and every worker restarts (the default
     ``replace_lost_workers=False``; this loop could not be replaced alone: it has a
     barrier after loading its checkpoint, which a replacement would call without
-    the others). The shards' state is kept over the restart: the loop
-    loads its checkpoint (step 10, or 5), but the restarted shards hold every update
-    applied until the failure, so what rank 1 reads from them differs from the
-    checkpoint, and so does diloco's outer momentum; the run finishes."""
+    the others). The shards' state is kept over the restart: the loop loads its
+    checkpoint (step 10, registered before the worker dies), but the restarted
+    shards hold every update applied until the failure, so what rank 1 reads from
+    them differs from the checkpoint, and so does diloco's outer momentum; the run
+    finishes."""
     name = f"{ps['mode']}_worker_dies"
-    result = _fit(tmp_path, name, retries=1, fail_rank=1, fail_step=12, ps=ps)
+    result = _fit(tmp_path, name, retries=1, fail_rank=1, fail_step=fail_step, ps=ps)
     m = result.metrics
     assert m["step"] == STEPS and m["start"] > 0
     probe = tmp_path / f"markers-{name}" / "restored_server_vs_checkpoint"
