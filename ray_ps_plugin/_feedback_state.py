@@ -90,9 +90,10 @@ def save_feedback(path: Path, codecs: Sequence[Codec | None], senders: Senders) 
 
 def load_feedback(path: Path, codecs: Sequence[Codec | None], senders: Senders) -> bool:
     """Holds what :func:`save_feedback` wrote under ``path`` (rank 0 hands the
-    shards theirs); whether it did. A state saved by a run of another world size,
-    shard count or compression is left out with a warning: each chunk's error
-    belongs to one sender and one chunk layout.
+    shards theirs); whether this worker's own state was there. A state saved by a
+    run of another world size, shard count or compression is left out with a
+    warning (each chunk's error belongs to one sender and one chunk layout), and so
+    is a worker's file missing from the checkpoint.
 
     Raises:
         PSError: A shard did not answer within ``timeout_s``.
@@ -110,9 +111,22 @@ def load_feedback(path: Path, codecs: Sequence[Codec | None], senders: Senders) 
             now,
         )
         return False
-    for codec, state in zip(codecs, _read(path / f"worker{rank}.npz", len(codecs))):
-        if state is not None and codec is not None:
-            codec.load_feedback_state(state)
+    own = path / f"worker{rank}.npz"
+    if own.exists():
+        for codec, state in zip(codecs, _read(own, len(codecs))):
+            if state is not None and codec is not None:
+                codec.load_feedback_state(state)
+    else:
+        # Rank 0 wrote meta.json, but this worker's file is not in the checkpoint:
+        # its loop reported the directory from rank 0 only.
+        logger.warning(
+            "rank %d: %s holds no %s: this worker's errors start empty. Every worker "
+            "writes its own file: report the checkpoint directory from every worker, "
+            "not from rank 0 only.",
+            rank,
+            path,
+            own.name,
+        )
     if rank == 0:
         shards = list(range(senders.num_shards))
         calls = [
@@ -120,7 +134,7 @@ def load_feedback(path: Path, codecs: Sequence[Codec | None], senders: Senders) 
             for s in shards
         ]
         wait_all(transport, calls, shards, senders.timeout_s, "restoring error-feedback state")
-    return True
+    return own.exists()
 
 
 def _write(file: Path, states: Sequence[State | None]) -> None:

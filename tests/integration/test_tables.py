@@ -148,7 +148,9 @@ def test_a_run_with_onebit_compression_resumes_with_its_errors(runs):
     the state, 0.104 (0.22x). Not equal: the resumed run's first step starts with
     empty errors, as every start does (DDP lays its buckets out anew after it)."""
     crash, onebit, ddp = runs("onebit_crash"), runs("onebit"), runs("ddp")
-    assert crash["metrics"]["start"] in (5, 10)
+    # Step 10's checkpoint: the dying worker waits until it is registered (from
+    # step 5 the bound does not hold: 0.107 measured, with 15 steps to diverge).
+    assert crash["metrics"]["start"] == 10
     own = _max_diff(onebit, ddp)  # what compressing costs, over the whole run
     resumed = _max_diff(crash, onebit)  # what resuming costs
     print(f"onebit resume: own {own:.3g}, resumed {resumed:.3g}")

@@ -394,6 +394,11 @@ def test_error_feedback_state_of_another_run_shape_is_left_out_with_a_warning(
     assert not load_feedback(tmp_path, [codec], Senders(0, 4, transport, 2, 5.0))
     assert "no error-feedback state taken" in caplog.text
     assert all(np.array_equal(codec.feedback._errors[k], v) for k, v in held.items())
+    # A checkpoint reported from rank 0 only holds no file of rank 1: a warning.
+    (tmp_path / "worker1.npz").unlink()
+    codec1 = clients[1].feedback_codec()
+    assert not load_feedback(tmp_path, [codec1], Senders(1, 2, transport, 2, 5.0))
+    assert "holds no worker1.npz" in caplog.text
     with pytest.raises(ValueError, match="compression='onebit' cannot be loaded into a run"):
         Codec("topk").load_feedback_state(codec.feedback_state())
     for c in clients:
