@@ -204,7 +204,8 @@ class PSContext:
     def save_compression_state(self, path: str | os.PathLike[str]) -> None:
         """With a lossy ``compression``: writes what every sender has not sent yet
         (each chunk's error, and ``"lowrank"``'s learnt factors) under ``path``, so
-        a resumed run goes on exactly as the uninterrupted one; otherwise nothing.
+        a resumed run sends it from its second step on (its first step's errors start
+        empty, as at every start: DDP rebuilds its buckets after it); otherwise nothing.
         Call it on every worker, into the directory of the checkpoint each of them
         reports: every worker writes its own file and rank 0 the shards' (Ray Train
         merges what every worker reports into one checkpoint).
@@ -221,7 +222,8 @@ class PSContext:
         """Restores what :meth:`save_compression_state` wrote; call it on every worker
         after ``prepare_model``, before the first step (every worker then waits for
         the others). A state saved by a run of another world size, shard count or
-        compression is left out with a warning: the errors start empty.
+        compression is left out with a warning, and so is a worker's file missing
+        from the checkpoint: those errors start empty.
 
         Raises:
             PSTimeoutError: If a shard does not answer within ``ps_timeout_s``.
