@@ -14,6 +14,11 @@ call unguarded (its failure would end the run while a live replica serves the
 shard) nor blame the replica for the old primary's death. Actors are told apart by
 their id (handles compare so), not by the handle object: the controller hands a
 worker new handle objects for the same actors.
+
+A worker's update is confirmed by its primary one push late (see
+:mod:`ray_ps_plugin._param.replica`): through :meth:`Failover.hold` the client
+keeps the last update each shard answered until the next answer, and a new server
+of the shard is sent the held updates before it serves any call of this process.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from ray_ps_plugin._ray_compat import ping_actor
@@ -54,6 +59,8 @@ class Failover:
         self._replicated = bool(self._replicas)
         self._timeout_s = timeout_s
         self._lock = threading.Lock()
+        # shard -> sender -> sends the held update to a given actor.
+        self._held: dict[int, dict[Hashable, tuple[str, tuple[Any, ...]]]] = {}
 
     def moved(self, shard: int) -> bool:
         """Whether another actor than the first serves ``shard`` now."""
@@ -75,10 +82,22 @@ class Failover:
         """``shard``'s replica, or ``None`` (never had one, or it was promoted)."""
         return self._replicas.get(shard)
 
+    def hold(self, shard: int, key: Hashable, call: tuple[str, tuple[Any, ...]] | None) -> None:
+        """Keeps ``call`` (a method of a shard and its arguments: it sends an
+        update ``shard`` answered but its replica may not hold yet) until the next
+        ``hold`` of ``key``; ``None`` holds nothing."""
+        with self._lock:
+            held = self._held.setdefault(shard, {})
+            if call is None:
+                held.pop(key, None)
+            else:
+                held[key] = call
+
     def set_shard(self, shard: int, primary: Any, replica: Any) -> None:
         """Who serves ``shard`` now and its new replica (the controller made it)."""
         with self._lock:
             if not _same(self._servers[shard], primary):
+                self._send_held(shard, primary)
                 self._servers[shard] = primary
             self._replicas[shard] = replica
             self._replicated = True
@@ -150,10 +169,27 @@ class Failover:
             # Promoted before any call reaches it: replays of the dead primary's
             # unconfirmed changes still waiting there are dropped, not applied.
             ray.get(replica.promote.remote(), timeout=self._timeout_s)
+            self._send_held(shard, replica)
             self._servers[shard] = replica
             del self._replicas[shard]  # until the controller makes a new one
             logger.warning("parameter-server shard %d is lost; its replica serves it.", shard)
             return True
+
+    def _send_held(self, shard: int, actor: Any) -> None:
+        """Sends ``actor``, about to serve ``shard``, the updates this process holds
+        for it, and waits until it took them (called with the lock held, before
+        any other call of this process can reach ``actor``).
+
+        Raises:
+            Exception: A held update did not reach ``actor`` (the run cannot go on
+                without it: its worker's next update would find it missing).
+        """
+        calls = list(self._held.get(shard, {}).values())
+        handles = [getattr(actor, method).remote(*args).future() for method, args in calls]
+        for handle in handles:
+            handle.result(timeout=self._timeout_s)
+        if calls:
+            logger.info("shard %d: %d held update(s) sent to its new server.", shard, len(calls))
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -170,6 +170,16 @@ class Transport(Protocol):
         """``shard`` is served by ``primary`` now, with ``replica`` to fail over to."""
         ...
 
+    def replica(self, shard: int) -> Any:
+        """``shard``'s replica to fail over to, or ``None``."""
+        ...
+
+    def hold(self, shard: int, key: Hashable, call: tuple[str, tuple[Any, ...]] | None) -> None:
+        """Keeps an update ``shard`` answered until its replica is known to hold it:
+        ``call`` (a shard method and its arguments) is made to whichever actor
+        serves ``shard`` next (:meth:`ray_ps_plugin._failover.Failover.hold`)."""
+        ...
+
     def close(self) -> None:
         """Releases what the transport holds open (the direct path's connections)."""
         ...
@@ -289,8 +299,10 @@ class RayTransport:
         self._failover.set_shard(shard, primary, replica)
 
     def replica(self, shard: int) -> Any:
-        """``shard``'s replica to fail over to, or ``None``."""
         return self._failover.replica(shard)
+
+    def hold(self, shard: int, key: Hashable, call: tuple[str, tuple[Any, ...]] | None) -> None:
+        self._failover.hold(shard, key, call)
 
     def attach(
         self, shard: int, model: int, rank: int, inputs: SegmentHandle, lo: int, nbytes: int

@@ -20,7 +20,8 @@ One step of a worker, top to bottom:
 
 At most one round trip per worker is in flight: the next push first waits for the
 previous one (with a timeout), so a fast worker cannot queue unbounded work on the
-shards, and every update is confirmed before the next is sent (async's only wait).
+shards (async's only wait). With replicas, an answered update is kept until the
+next answer confirms the replica holds it (:mod:`.replica`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from ray_ps_plugin._client import ClientBase, ClientSetup, ModelHook, warn_kept_live
@@ -133,13 +135,11 @@ class ParamClient(ClientBase):
         module.register_load_state_dict_post_hook(ModelHook(module, self.reseed))
 
     def _join(self) -> None:
-        """Takes the live shards' parameters (not rank 0's, nor DDP's broadcast) and
-        goes on from the clock the shards hold for this rank: what a worker that
-        died here had applied counts, and nothing is applied twice. A push in flight
-        at the death may have reached some shards and not others (each takes it
-        whole or not at all): going on from the lowest clock, this worker's first
-        update fills in the slices that missed it, and the shards that took it
-        ignore the repeat."""
+        """Takes the live shards' parameters (not rank 0's) and goes on from the
+        lowest clock the shards hold for this rank: what a worker that died here
+        had applied counts, once. A push in flight at the death may have reached
+        some shards only: this worker's first update fills in the slices that
+        missed it, and the shards that took it ignore the repeat."""
         replies = self._pull(0)
         self._clock = self.start_clock = min(r.clocks[self.rank] for r in replies)
         self._stamp = min(r.slowest for r in replies)
@@ -148,8 +148,7 @@ class ParamClient(ClientBase):
 
     def peers_behind(self) -> bool:
         """Whether another rank's clock on the shards (the lowest over them) is at a
-        step before the one this worker's loop is at: that worker, or the one
-        replacing it, has yet to step past where this one is."""
+        step before this worker's: that worker, or its replacement, is behind."""
         handles = [self._transport.call(s, "stats") for s in range(self.num_shards)]
         stats = self._wait(handles, "reading the workers' clocks")
         clocks = [min(cs) for cs in zip(*(st["clocks"][self.model_id] for st in stats))]
@@ -158,8 +157,7 @@ class ParamClient(ClientBase):
 
     @property
     def loop_step(self) -> int:
-        """The optimizer steps this worker's loop has taken, counted from the run's
-        start (a replacement's from where it went on)."""
+        """The optimizer steps taken since the run's start (a replacement's too)."""
         return self._clock
 
     def step_of(self, clock: int) -> int:
@@ -167,8 +165,7 @@ class ParamClient(ClientBase):
         return clock
 
     def _start(self) -> None:
-        """Rank 0 seeds the shards with its parameters (identical on every rank
-        after DDP's initial broadcast); it waits so a failure surfaces here."""
+        """Rank 0 seeds the shards with its parameters (DDP broadcast them); waits."""
         if self.rank != 0:
             return
         base = to_numpy(self._flat.base)
@@ -245,23 +242,24 @@ class ParamClient(ClientBase):
             # calls to an asyncio actor, so the previous push must be confirmed first
             # (which also frees the shared-memory input the delta is written to).
             previous = self._wait_counted(self._inflight.handles, f"{what} {self._inflight.clock}")
-        # Train on the newest parameters at hand (the previous push's reply, which
-        # holds every earlier step of this worker) plus this step counted as the
-        # shards count it. Adding the whole step instead would run the worker ahead
-        # of the shards by (1 - 1/W) of a step each time and, corrected at the next
-        # install, turn into a delayed feedback that diverges at learning rates plain
-        # SGD and DDP take (Ray's linear example did). The install shares one pass
-        # over the parameters with taking the delta, so it comes before the push;
-        # the previous reply's output segment is not the one this push answers in.
-        # A reply ssp already installed before the forward pass is the base now:
-        # it is neither installed nor counted a second time.
+            self._inflight.hold(self._transport, self.model_id, self.rank)
+        # Train on the newest parameters at hand (the previous reply: every earlier
+        # step of this worker) plus this step counted as the shards count it. The
+        # whole step would run the worker ahead of the shards by (1 - 1/W) of a step
+        # each time: a delayed feedback that diverges at learning rates plain SGD
+        # and DDP take (Ray's linear example did). The install shares one pass with
+        # taking the delta, so it comes before the push (the previous reply's output
+        # segment is not the one this push answers in). A reply ssp installed
+        # before the forward pass is the base now: not installed or counted again.
         self._advance(None if self._installed else previous, self._clock % 2)
-        self._inflight = InFlight(self._clock + 1, self._push(), time.perf_counter())
+        self._inflight = InFlight(self._clock + 1, [], time.perf_counter())
+        self._inflight.handles = self._push(self._inflight.held)
         self._installed = False
 
-    def _push(self) -> list[Handle[Any]]:
+    def _push(self, held: dict[int, np.ndarray] | None = None) -> list[Handle[Any]]:
         """Sends the delta taken into the push buffers as the next clock's update;
-        returns the calls' handles (each answers with its shard's parameters)."""
+        returns the calls' handles (each answers with its shard's parameters) and
+        copies into ``held`` what each shard with a replica applies."""
         self._clock += 1
         slot = self._clock % 2
         by_message = len(self._lanes) < self.num_shards
@@ -276,8 +274,11 @@ class ParamClient(ClientBase):
                     part = delta[a:b]
                 sent[s] = part.nbytes
                 handles.append(self._push_by_message(s, part, self._clock))
-                continue
-            handles.append(self._lane_calls.push(s, self._clock, slot))
+            else:
+                handles.append(self._lane_calls.push(s, self._clock, slot))
+            if held is not None and self._transport.replica(s) is not None:
+                carried = self._codec.decode(part) if s not in self._lanes else None
+                held[s] = self._flat.held_part(s, carried)
         with self._lock:
             self._stats.clock = self._clock
             self._stats.pushes += len(handles)
@@ -295,6 +296,7 @@ class ParamClient(ClientBase):
         super().flush()
         if self._inflight is not None:
             replies = self._wait(self._inflight.handles, f"clock {self._inflight.clock}")
+            self._inflight.hold(self._transport, self.model_id, self.rank)
             if not self._installed:
                 self._install(replies, self._inflight.clock % 2)
             self._inflight = None
@@ -365,10 +367,8 @@ class ParamClient(ClientBase):
             logger.warning(
                 "rank %d ran %d forward passes but no optimizer.step() on the PS model's "
                 "parameters: in async/ssp mode updates reach the servers only through "
-                "an optimizer's step(); nothing was sent.",
-                self.rank,
-                self._forwards,
-            )
+                "an optimizer's step(); nothing was sent.", self.rank, self._forwards
+            )  # fmt: skip
         self.flush()
         self._wait(
             [

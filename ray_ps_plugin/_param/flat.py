@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from ray_ps_plugin._codec import as_torch, to_numpy
@@ -70,6 +71,15 @@ class FlatParams:
         # which have no piece).
         self._offsets = list(itertools.accumulate((p.numel() for p in self.params), initial=0))
         self.snapshot()
+
+    def held_part(self, shard: int, sent: torch.Tensor | None = None) -> np.ndarray:
+        """A copy of what ``shard`` applies of this step's change (``sent``: the
+        decoded values a message carried, else the part in its buffer), in the
+        dtype shards compute in: kept until the shard's replica holds it."""
+        values = self.delta_parts[shard] if sent is None else sent
+        wide = torch.float32 if values.element_size() < 4 else values.dtype
+        out: np.ndarray = values.to(wide, copy=True).numpy()
+        return out
 
     def slices(self) -> list[tuple[int, int]]:
         """Each shard's ``(first, one past the last)`` element."""

@@ -3,9 +3,22 @@
 With ``PSConfig(shard_replicas=1)`` every async/ssp shard (the *primary*) has a
 *replica*: a shard actor of the same slice, on another node where there is one. The
 primary forwards every change it makes to its state (the initial parameters, each
-applied update, a reseed, a worker that finishes, leaves or is admitted) and answers
-the worker only once the replica has taken it, so an update a worker saw confirmed
-is held by both (ps-lite's chain replication, with a chain of two).
+applied update, a reseed, a worker that finishes, leaves or is admitted), so both
+hold it (ps-lite's chain replication, with a chain of two).
+
+When a change is confirmed: every change but a worker's update is answered only
+once the replica holds it. A worker's update is confirmed *one push late*: the
+primary answers push ``k`` once the replica holds that worker's push ``k - 1``,
+and the worker keeps its update ``k`` until the answer to ``k + 1`` (or a finish)
+says the replica holds it too. So the replica's copy and apply overlap the
+worker's next step instead of lengthening this one, and still no update a worker
+pushed is held by one actor only: when the primary dies, the worker sends the
+update it keeps to the replica before anything else (:meth:`Replicated.push_held`;
+a repeat is ignored by its clock). What a loss can drop is the update ``k`` of a
+worker that dies *together with* the primary (a worker beside its shard on one
+node): other workers may have read parameters holding it, and the worker that
+replaces it goes on from clock ``k - 1`` and does step ``k`` again, as after any
+push lost in flight.
 
 Order: the primary numbers what it forwards, in the order it applied it, and the
 replica replays in that order (Ray does not order calls to an asyncio actor), so
@@ -26,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Hashable
 from typing import Any
 
 from ray_ps_plugin._errors import ShardProtocolError
@@ -54,18 +68,23 @@ class ReplicaLink:
         self.shard_index = shard_index
         self.timeout_s = timeout_s
         self.replica: Any = None
+        # Numbers grow over replicas (a push may wait for a number taken before a
+        # new replica was attached); each replica is sent them counted from 1.
         self._seq = 0
-        self._last: Any = None  # the last forward submitted
+        self._base = 0  # the last number before the current replica's first
+        self._pending: dict[int, Any] = {}  # unconfirmed forwards, in number order
+        self._latest: dict[Hashable, int] = {}  # each update key's last number
 
     def attach(self, replica: Any) -> None:
         """From now on every change is forwarded to ``replica`` (an actor handle),
-        numbered from 1."""
+        which counts them from 1."""
         self.replica = replica
-        self._seq = 0
-        self._last = None
+        self._base = self._seq
+        self._pending.clear()
 
-    def forward(self, method: str, *args: Any) -> None:
-        """Submits ``method(*args)`` to the replica, numbered after the last one.
+    def forward(self, method: str, *args: Any, key: Hashable = None) -> None:
+        """Submits ``method(*args)`` to the replica, numbered after the last one;
+        ``key`` (a model and rank) names an update :meth:`latest` finds again.
 
         Called right where the change is made, with no ``await`` in between, so the
         numbers follow the order the primary applied the changes in. Ray serialises
@@ -75,20 +94,35 @@ class ReplicaLink:
             return
         assert method in REPLAYED, method
         self._seq += 1
-        self._last = self.replica.replay.remote(self._seq, method, args)
+        self._pending[self._seq] = self.replica.replay.remote(self._seq - self._base, method, args)
+        if key is not None:
+            self._latest[key] = self._seq
 
-    async def confirm(self) -> None:
-        """Waits until the replica holds every change forwarded so far."""
-        last = self._last
-        if last is None or self.replica is None:
+    def latest(self, key: Hashable) -> int:
+        """The number of the last change forwarded under ``key`` (0: none)."""
+        return self._latest.get(key, 0)
+
+    async def confirm(self, through: int | None = None) -> None:
+        """Waits until the replica holds every change forwarded so far, or (with
+        ``through``) every change numbered up to ``through``."""
+        if self.replica is None or not self._pending:
             return
+        last = self._seq if through is None else through
+        ref = self._pending.get(last)
+        if ref is None:
+            return  # confirmed already, or made before this replica (its snapshot)
         try:
-            await asyncio.wait_for(_result(last), self.timeout_s)
+            await asyncio.wait_for(_result(ref), self.timeout_s)
         except Exception as e:
             self._drop(e)
+            return
+        # The replica replays in number order: every earlier change is held too.
+        for seq in [s for s in self._pending if s <= last]:
+            del self._pending[seq]
 
     def _drop(self, error: BaseException) -> None:
-        replica, self.replica, self._last = self.replica, None, None
+        replica, self.replica = self.replica, None
+        self._pending.clear()
         if replica is None:
             return
         logger.warning(

@@ -3,13 +3,13 @@ path), and a worker's push waiting for it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 if TYPE_CHECKING:  # the shard process keeps clear of Ray Train
-    from ray_ps_plugin._transport import Handle
+    from ray_ps_plugin._transport import Handle, Transport
 
 __all__ = ["InFlight", "Reply"]
 
@@ -43,8 +43,21 @@ class Reply(NamedTuple):
 
 @dataclass
 class InFlight:
-    """A worker's push (one call per shard) waiting for its replies."""
+    """A worker's push (one call per shard) waiting for its replies.
+
+    Attributes:
+        held: What each shard with a replica applies of this push (a copy):
+            once answered, kept until the next answer confirms the replica holds
+            it (see :mod:`ray_ps_plugin._param.replica`).
+    """
 
     clock: int
     handles: list[Handle[Any]]
     started: float
+    held: dict[int, np.ndarray] = field(default_factory=dict)
+
+    def hold(self, transport: Transport, model: int, rank: int) -> None:
+        """This push is answered: a shard that dies before confirming the next one
+        hands its successor these updates first (by :meth:`Transport.hold`)."""
+        for shard, values in self.held.items():
+            transport.hold(shard, ("param", model), ("mirror", (model, rank, self.clock, values)))

@@ -280,12 +280,16 @@ class ParamShard(TableHost, Replicated, Reseeding):
         nbytes: int,
         slot: int | None = None,
     ) -> Reply:
+        before = self._link.latest((model, rank))
         self._take(state, model, rank, clock, delta, nbytes)
-        await self._link.confirm()  # confirmed only once the replica holds it too
+        # Confirmed one push late (see _param/replica.py): the replica holds this
+        # worker's previous update; this one the worker keeps until the next answer.
+        await self._link.confirm(through=before)
         return await self._read(state, model, rank, clock, slot)
 
     async def mirror(self, model: int, rank: int, clock: int, update: np.ndarray) -> None:
-        """Takes an update its primary applied (a replica's :meth:`replay`)."""
+        """Takes an update its primary applied (a replica's :meth:`replay`), or one
+        a worker sends again to the replica that took over (a repeat is ignored)."""
         state = self._model(model)
         await self._wait_initialised(state, model, rank)
         self._take(state, model, rank, clock, update, update.nbytes)
@@ -322,7 +326,8 @@ class ParamShard(TableHost, Replicated, Reseeding):
         state.clocks[rank] = clock
         self._apply(model, state, rank, update)
         if self._link.replica is not None:  # before any await: replayed in this order
-            self._link.forward("mirror", model, rank, clock, update.to(state.params.dtype).numpy())
+            values = update.to(state.params.dtype).numpy()
+            self._link.forward("mirror", model, rank, clock, values, key=(model, rank))
         self._catch_up(state, rank)
         self._serve_waiting(model, state)
         self._pushes += 1

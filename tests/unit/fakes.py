@@ -150,13 +150,14 @@ class FakeTransport:
         self.direct: FakeDirect | None = None  # set for a run with the direct path
         self.calls: list[tuple] = []
         self.silent_shards: set[int] = set()
+        self.held: dict = {}
         self._gate = asyncio.Event()
         self.loop.loop.call_soon_threadsafe(self._gate.set)
 
-    def hold(self) -> None:
+    def hold_replies(self) -> None:
         self.loop.run(self._clear()).result(5)
 
-    def release(self) -> None:
+    def release_replies(self) -> None:
         self.loop.loop.call_soon_threadsafe(self._gate.set)
 
     async def _clear(self) -> None:
@@ -194,6 +195,12 @@ class FakeTransport:
 
     def set_shard(self, shard, primary, replica):
         self.servers[shard] = primary
+
+    def replica(self, shard):
+        return None
+
+    def hold(self, shard, key, call):
+        self.held[(shard, key)] = call
 
     def close(self) -> None:
         pass

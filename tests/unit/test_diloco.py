@@ -359,7 +359,7 @@ def test_with_overlap_a_round_does_not_wait_for_its_answer(loop):
     transport = clients[0]._transport
     opt = torch.optim.SGD(models[0].parameters(), lr=0.1)
     data = _data(1, 6)[0]
-    transport.hold()
+    transport.hold_replies()
     worker = threading.Thread(
         target=lambda: [_step(models[0], opt, clients[0], x, y) for x, y in data[:3]]
     )
@@ -367,7 +367,7 @@ def test_with_overlap_a_round_does_not_wait_for_its_answer(loop):
     worker.join(5)
     assert not worker.is_alive(), "round 1's push must not block the next local steps"
     assert clients[0].snapshot().clock == 1
-    transport.release()
+    transport.release_replies()
     for x, y in data[3:]:
         _step(models[0], opt, clients[0], x, y)
     clients[0].flush()

@@ -162,11 +162,11 @@ def test_an_async_worker_counts_its_own_step_as_the_shards_do(loop, shared):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = torch.randn(4, 5), torch.randn(4, 3)
     start = _flat(model).clone()
-    transport.hold()
+    transport.hold_replies()
     step = _raw_sgd_step(model, opt, client, x, y)  # push of clock 1 held back
     torch.testing.assert_close(_flat(model), start + step / 2)
     client.before_forward()  # reply not back: async does not wait
-    transport.release()
+    transport.release_replies()
     client._inflight.handles[0].result(5)
     client.before_forward()  # a second forward of the same step changes nothing
     client.flush()
@@ -186,9 +186,9 @@ def test_a_reply_is_installed_with_the_workers_next_step(loop, shared):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = torch.randn(4, 5), torch.randn(4, 3)
     start = _flat(model).clone()
-    transport.hold()
+    transport.hold_replies()
     first = _raw_sgd_step(model, opt, client, x, y)
-    transport.release()
+    transport.release_replies()
     second = _raw_sgd_step(model, opt, client, x, y)
     torch.testing.assert_close(_flat(model), start + first / 2 + second / 2, atol=1e-6, rtol=0)
     assert client.snapshot().clock == 2
@@ -238,6 +238,28 @@ def test_constant_gradients_land_exactly_n_times_w_deltas(loop, shared):
     if shared == "frames":  # every notice went as a frame, none as a Ray call
         assert sum(kind == PARAM_LOCAL for _, kind, _ in transport.direct.frames) == 2 * 3 * 17
         assert not [c for c in transport.calls if c[0] == "push_local"]
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["object-store", "shared-memory"])
+def test_a_worker_holds_its_last_answered_update_for_each_replicated_shard(loop, shared):
+    """With a replica of shard 0 (none of shard 1), each answered push leaves a
+    copy of exactly what shard 0 applied, to be sent to its successor: the update
+    of the last clock once flushed, in the dtype shards compute in."""
+    world, steps, lr = 2, 5, 0.125
+    servers, transport, models, clients = _setup(
+        loop, world, shards=2, staleness=None, shared=shared
+    )
+    transport.replica = lambda shard: "a replica" if shard == 0 else None
+    opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in models]
+    _constant_gradient_steps(models, clients, opts, steps)
+
+    # The workers share this fake transport: the last one to hold is kept.
+    method, (model, rank, clock, values) = transport.held[(0, ("param", 0))]
+    assert (method, model, clock, rank in range(world)) == ("mirror", 0, steps, True)
+    assert values.dtype == np.float32
+    assert values.shape == servers[0].export_state()["models"][0]["params"].shape
+    np.testing.assert_allclose(values, -lr, atol=1e-6)  # gradient 1: the step's change
+    assert {s for s, _ in transport.held} == {0}
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["object-store", "shared-memory"])
@@ -298,13 +320,13 @@ def test_a_worker_has_at_most_one_unconfirmed_push_per_shard(loop, staleness):
     _, transport, models, clients = _setup(loop, 2, shards=2, staleness=staleness, timeout_s=0.3)
     opt = torch.optim.SGD(models[0].parameters(), lr=0.1)
     x, y = torch.randn(4, 5), torch.randn(4, 3)
-    transport.hold()
+    transport.hold_replies()
     _sgd_step(models[0], opt, clients[0], x, y)  # clock 1 sent, unconfirmed
     assert sorted((c[1], c[4]) for c in transport.pushes()) == [(0, 1), (1, 1)]
     with pytest.raises(PSTimeoutError, match="rank 0: model 0: clock 1"):
         _sgd_step(models[0], opt, clients[0], x, y)
     assert len(transport.pushes()) == 2  # no push of clock 2 while clock 1 is open
-    transport.release()
+    transport.release_replies()
 
 
 def test_only_optimizers_of_the_model_trigger_a_push(loop):

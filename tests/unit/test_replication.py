@@ -1,5 +1,6 @@
 """A shard's state held twice: the primary forwards, the replica replays in the
-primary's order, an update is confirmed only once both hold it, a promoted replica
+primary's order, a worker's update is confirmed one push late (the next answer
+waits until the replica holds it; a finish until it holds all), a promoted replica
 drops the dead primary's unconfirmed replays, and a worker's calls fail over to the
 replica only when the primary is confirmed dead. Real shard objects on one event
 loop; the replica's actor handle is faked."""
@@ -69,6 +70,7 @@ def test_the_replica_replays_every_update_in_the_primarys_order_bit_for_bit():
                 await primary.push_pull(0, rank, clock, delta)
 
         await asyncio.gather(worker(0), worker(1))
+        await asyncio.gather(primary.finish(0, 0), primary.finish(0, 1))
         return primary, replica
 
     primary, replica = asyncio.run(run())
@@ -78,21 +80,36 @@ def test_the_replica_replays_every_update_in_the_primarys_order_bit_for_bit():
     assert np.array_equal(p["params"], r["params"])
 
 
-def test_an_update_is_confirmed_only_once_the_replica_holds_it():
+def test_an_update_is_confirmed_one_push_late_and_by_a_finish():
+    """Push 1 is answered while the replica holds nothing of it (the worker keeps
+    it); push 2's answer waits until the replica holds push 1; a finish waits
+    until it holds everything."""
+
     async def run():
         primary, replica, handle = _pair(jitter_s=0.0)
         await primary.init(0, np.zeros(4, np.float32))
         handle.gate.clear()  # the replica takes nothing for now
-        push = asyncio.ensure_future(primary.push_pull(0, 0, 1, np.ones(4, np.float32)))
+        await asyncio.wait_for(primary.push_pull(0, 0, 1, np.ones(4, np.float32)), 5)
+        assert replica.export_state()["models"][0]["clocks"] == [0, 0]
+        push = asyncio.ensure_future(primary.push_pull(0, 0, 2, np.ones(4, np.float32)))
+        other = asyncio.ensure_future(primary.push_pull(0, 1, 1, np.ones(4, np.float32)))
         await asyncio.sleep(0.05)
-        assert not push.done()  # applied on the primary, not yet confirmed
+        assert not push.done()  # its previous update is not held twice yet
+        assert other.done()  # rank 1's first: nothing of it to confirm
         handle.gate.set()
         await asyncio.wait_for(push, 5)
+        assert replica.export_state()["models"][0]["clocks"][0] >= 1
+        handle.gate.clear()
+        finish = asyncio.ensure_future(primary.finish(0, 0))
+        await asyncio.sleep(0.05)
+        assert not finish.done()
+        handle.gate.set()
+        await asyncio.wait_for(finish, 5)
         return replica.export_state()["models"][0]
 
     held = asyncio.run(run())
-    assert held["clocks"] == [1, 0]
-    assert np.array_equal(held["params"], np.full(4, 0.5, np.float32))
+    assert held["clocks"] == [2, 1]
+    assert np.array_equal(held["params"], np.full(4, 1.5, np.float32))
 
 
 def test_a_promoted_replica_drops_unconfirmed_replays_and_takes_the_resent_update():
@@ -207,6 +224,30 @@ def test_a_call_to_a_dead_primary_is_made_again_on_its_promoted_replica(monkeypa
         failover.guard(0, replica, call(), call).result(5)
 
 
+def test_a_promoted_replica_is_sent_the_held_updates_before_any_call(monkeypatch):
+    """What a worker holds (answered by the primary, maybe not yet by the
+    replica) reaches the replica first, whether this worker's failed call or the
+    controller's news of a new server moves it; a cleared hold sends nothing."""
+    primary = FakeActor(error=ray.exceptions.ActorDiedError())
+    replica = FakeActor(result="from the replica")
+    servers, failover = _failover(primary, replica, monkeypatch, dead=True)
+    failover.hold(0, ("param", 0), ("mirror", (0, 1, 7, np.ones(2))))
+    failover.hold(0, ("param", 1), ("mirror", (1, 1, 3, np.ones(2))))
+    failover.hold(0, ("param", 1), None)
+
+    def call():
+        return servers[0].push_pull.remote(1).future()
+
+    assert failover.guard(0, primary, call(), call).result(5) == "from the replica"
+    assert replica.calls == ["promote", "mirror", "push_pull"]
+
+    moved, new = FakeActor(), FakeActor()
+    servers, failover = _failover(moved, None, monkeypatch, dead=True)
+    failover.hold(0, ("param", 0), ("mirror", (0, 1, 7, np.ones(2))))
+    failover.set_shard(0, new, None)
+    assert new.calls == ["mirror"] and servers[0] is new
+
+
 def test_a_failed_call_to_a_live_primary_fails_and_promotes_nothing(monkeypatch):
     """A broken connection is not a death: a replica serving beside a live
     primary would diverge from it."""
@@ -312,6 +353,7 @@ def test_a_replicated_update_is_widened_like_the_master():
         await primary.init(0, bf16)
         delta = torch.full((8,), 0.1, dtype=torch.bfloat16).view(torch.int16).numpy()
         await primary.push_pull(0, 1, 1, delta)
+        await primary.finish(0, 1)  # confirms every update
         return primary, replica
 
     primary, replica = asyncio.run(run())
