@@ -118,7 +118,12 @@ class PSBackend(TorchBackend):
             ]
             _bounded(calls, cfg.ps_timeout_s, "the shards did not take the kept state")
         if self._replicas:
-            calls = [s.set_replica.remote(r) for s, r in zip(self._servers, self._replicas)]
+            calls = [
+                s.set_replica.remote(r, node == replica_node)
+                for s, r, node, replica_node in zip(
+                    self._servers, self._replicas, server_nodes, replica_nodes
+                )
+            ]
             _bounded(calls, cfg.ps_timeout_s, "the shards did not take their replicas")
         worker_nodes = [p.node_id for p in worker_places(worker_group)]
         connect = spec.connect

@@ -152,7 +152,8 @@ class ReplicaKeeper:
                 step = "start away from its primary"
                 raise RuntimeError(f"it runs on the primary's node {primary_node[:12]}")
             step = "seed"
-            ray.get(primary.add_replica.remote(new), timeout=self._timeout_s)
+            same_node = info["node_id"] == primary_node
+            ray.get(primary.add_replica.remote(new, same_node), timeout=self._timeout_s)
         except Exception as e:
             ray.kill(new, no_restart=True)
             if step == "start":  # e.g. pinned to a node Ray lists but is gone

@@ -38,22 +38,35 @@ missed updates.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import logging
 from collections.abc import Hashable
 from typing import Any
 
+import numpy as np
+import torch
+
 from ray_ps_plugin._errors import ShardProtocolError
+from ray_ps_plugin._param.replica_slots import SlotReader, SlotRef, Slots, make_slots
 
 __all__ = ["REPLAYED", "ReplayOrder", "ReplicaLink", "Replicated"]
 
 logger = logging.getLogger(__name__)
 
 #: The shard methods a primary forwards and a replica replays.
-REPLAYED = frozenset({"init", "mirror", "reseed", "finish", "leave", "admit", "restore"})
+REPLAYED = frozenset(
+    {"init", "mirror", "mirror_shared", "reseed", "finish", "leave", "admit", "restore"}
+)
 
 
 async def _result(ref: Any) -> Any:
     return await ref
+
+
+def _held(slots: Slots, seq: int, replayed: concurrent.futures.Future[Any]) -> None:
+    if replayed.exception() is None:
+        slots.confirmed(seq)
 
 
 class ReplicaLink:
@@ -62,12 +75,15 @@ class ReplicaLink:
     Args:
         shard_index: The shard's index, for messages.
         timeout_s: How long a forwarded change may take to be confirmed.
+        num_workers: The run's workers (how many updates can be unconfirmed).
     """
 
-    def __init__(self, shard_index: int, timeout_s: float) -> None:
+    def __init__(self, shard_index: int, timeout_s: float, num_workers: int = 1) -> None:
         self.shard_index = shard_index
         self.timeout_s = timeout_s
+        self.num_workers = num_workers
         self.replica: Any = None
+        self._slots: Slots | None = None  # a replica on this node: shared memory
         # Numbers grow over replicas (a push may wait for a number taken before a
         # new replica was attached); each replica is sent them counted from 1.
         self._seq = 0
@@ -75,12 +91,26 @@ class ReplicaLink:
         self._pending: dict[int, Any] = {}  # unconfirmed forwards, in number order
         self._latest: dict[Hashable, int] = {}  # each update key's last number
 
-    def attach(self, replica: Any) -> None:
-        """From now on every change is forwarded to ``replica`` (an actor handle),
-        which counts them from 1."""
+    def attach(self, replica: Any, same_node: bool = False) -> None:
+        """From now on every change is forwarded to ``replica`` (an actor handle,
+        on this node if ``same_node``), which counts them from 1."""
+        self._close_slots()
         self.replica = replica
         self._base = self._seq
         self._pending.clear()
+        self._slots = make_slots(same_node, self.num_workers)
+
+    def forward_update(self, model: int, rank: int, clock: int, values: torch.Tensor) -> None:
+        """Forwards ``rank``'s update of ``clock`` as applied (``values``, in the
+        dtype the shard computes in): through a shared-memory slot where the
+        replica is on this node and a slot is free, else by value."""
+        if self.replica is None:
+            return
+        ref = self._slots.put(model, values, self._seq + 1) if self._slots else None
+        if ref is None:
+            self.forward("mirror", model, rank, clock, values.numpy(), key=(model, rank))
+        else:
+            self.forward("mirror_shared", model, rank, clock, ref, key=(model, rank))
 
     def forward(self, method: str, *args: Any, key: Hashable = None) -> None:
         """Submits ``method(*args)`` to the replica, numbered after the last one;
@@ -94,9 +124,12 @@ class ReplicaLink:
             return
         assert method in REPLAYED, method
         self._seq += 1
-        self._pending[self._seq] = self.replica.replay.remote(self._seq - self._base, method, args)
+        ref = self.replica.replay.remote(self._seq - self._base, method, args)
+        self._pending[self._seq] = ref
         if key is not None:
             self._latest[key] = self._seq
+        if self._slots is not None:  # a slot is free again once its change is held
+            ref.future().add_done_callback(functools.partial(_held, self._slots, self._seq))
 
     def latest(self, key: Hashable) -> int:
         """The number of the last change forwarded under ``key`` (0: none)."""
@@ -120,9 +153,15 @@ class ReplicaLink:
         for seq in [s for s in self._pending if s <= last]:
             del self._pending[seq]
 
+    def _close_slots(self) -> None:
+        slots, self._slots = self._slots, None
+        if slots is not None:
+            slots.close()
+
     def _drop(self, error: BaseException) -> None:
         replica, self.replica = self.replica, None
         self._pending.clear()
+        self._close_slots()
         if replica is None:
             return
         logger.warning(
@@ -201,10 +240,22 @@ class Replicated:
 
     _link: ReplicaLink
     _order: ReplayOrder
+    _slot_reader: SlotReader | None = None
 
-    def set_replica(self, replica: Any) -> None:
-        """Makes this shard a primary: every change is held by ``replica`` too."""
-        self._link.attach(replica)
+    def set_replica(self, replica: Any, same_node: bool = False) -> None:
+        """Makes this shard a primary: every change is held by ``replica`` too
+        (on this node if ``same_node``: updates then go through shared memory)."""
+        self._link.attach(replica, same_node)
+
+    async def mirror(self, model: int, rank: int, clock: int, update: np.ndarray) -> None:
+        """Takes an update its primary applied (the shard's own method)."""
+        raise NotImplementedError
+
+    async def mirror_shared(self, model: int, rank: int, clock: int, ref: SlotRef) -> None:
+        """:meth:`mirror` of an update its primary left in a shared-memory slot."""
+        if self._slot_reader is None:
+            self._slot_reader = SlotReader()
+        await self.mirror(model, rank, clock, self._slot_reader.values(ref))
 
     async def promote(self) -> bool:
         """Makes this replica serve its slice (see :meth:`ReplayOrder.promote`)."""

@@ -73,7 +73,7 @@ class ParamShard(TableHost, Replicated, Reseeding):
         self._models: dict[int, ParamState] = {}
         self._changed = asyncio.Condition()  # a reseed's generation (wait_generation)
         self._max_read_gap = 0
-        self._link = ReplicaLink(shard_index, timeout_s)
+        self._link = ReplicaLink(shard_index, timeout_s, num_workers)
         self._order = ReplayOrder(shard_index, timeout_s)
 
     def _model(self, model: int) -> ParamState:
@@ -254,11 +254,12 @@ class ParamShard(TableHost, Replicated, Reseeding):
             )
         self._tables.import_(exported["tables"], bounded)
 
-    async def add_replica(self, replica: Any) -> None:
-        """Makes ``replica`` (a fresh shard of this slice) hold this shard's state:
-        a snapshot now, then every later change, in order (no ``await`` between the
-        snapshot and its forwarding, so no change falls in between)."""
-        self._link.attach(replica)
+    async def add_replica(self, replica: Any, same_node: bool = False) -> None:
+        """Makes ``replica`` (a fresh shard of this slice, on this node if
+        ``same_node``) hold this shard's state: a snapshot now, then every later
+        change, in order (no ``await`` between the snapshot and its forwarding, so
+        no change falls in between)."""
+        self._link.attach(replica, same_node)
         self._link.forward("restore", self.export_state())
         await self._link.confirm()
 
@@ -325,9 +326,8 @@ class ParamShard(TableHost, Replicated, Reseeding):
         self._check_slice(model, f"rank {rank}", update, state.params)
         state.clocks[rank] = clock
         self._apply(model, state, rank, update)
-        if self._link.replica is not None:  # before any await: replayed in this order
-            values = update.to(state.params.dtype).numpy()
-            self._link.forward("mirror", model, rank, clock, values, key=(model, rank))
+        # Forwarded before any await: the replica replays in this order.
+        self._link.forward_update(model, rank, clock, update.to(state.params.dtype))
         self._catch_up(state, rank)
         self._serve_waiting(model, state)
         self._pushes += 1

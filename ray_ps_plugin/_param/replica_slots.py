@@ -1,0 +1,132 @@
+"""Forwarded updates through shared memory, for a replica on its primary's node.
+
+A primary forwards every update it applies to its replica. Through Ray's object
+store a 12 MB update costs about 9 ms of a loaded 2-core machine (the store's
+put, the call, its bookkeeping) against 1.4 ms for copying the bytes; on one node
+that made replication nearly double an async step. So when the replica runs on
+the primary's node, the primary copies each update into one of a few shared-memory
+slots and forwards only the slot's name; the replica adds straight from it.
+
+A slot is written again only once the replica confirmed the change that last
+used it (changes are confirmed in their order). When every slot is still in use,
+or the host cannot share memory, the update goes through the object store, as
+between nodes: the slots make forwarding cheaper, never different.
+
+The replica maps the primary's segments while the primary is alive (it names a
+slot only after writing it); its mapping outlives a primary that dies after.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ray_ps_plugin._codec import as_torch
+from ray_ps_plugin._shm import Segment, SegmentHandle, available
+
+__all__ = ["SlotReader", "SlotRef", "Slots", "make_slots"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SlotRef:
+    """Where a forwarded update lies: ``count`` values of ``dtype`` in a segment."""
+
+    handle: SegmentHandle
+    dtype: str
+    count: int
+
+
+class Slots:
+    """The primary's slots, per model: written in turn, each reused once confirmed.
+
+    Args:
+        count: Slots per model (each the size of the model's slice).
+    """
+
+    def __init__(self, count: int) -> None:
+        self._count = count
+        self._rings: dict[int, list[tuple[Segment, list[int]]]] = {}  # slot, [its seq]
+        self._next: dict[int, int] = {}
+        self._confirmed = 0  # every change numbered up to this is held by the replica
+        self._lock = threading.Lock()  # confirmations arrive on Ray's threads
+
+    def confirmed(self, seq: int) -> None:
+        """The replica holds change ``seq`` and every one before it."""
+        with self._lock:
+            self._confirmed = max(self._confirmed, seq)
+
+    def put(self, model: int, values: torch.Tensor, seq: int) -> SlotRef | None:
+        """Copies ``values`` into ``model``'s next slot as change ``seq``; ``None``
+        when that slot still carries an unconfirmed change (or no slot can be made)."""
+        ring = self._ring(model, values)
+        if ring is None:
+            return None
+        i = self._next[model]
+        segment, used = ring[i]
+        with self._lock:
+            if used[0] > self._confirmed:
+                return None
+        used[0] = seq
+        self._next[model] = (i + 1) % len(ring)
+        dtype = str(values.dtype).removeprefix("torch.")
+        view = segment.view(0, np.dtype(dtype), values.numel())
+        as_torch(view).copy_(values.reshape(-1))
+        return SlotRef(segment.handle, dtype, values.numel())
+
+    def _ring(self, model: int, values: torch.Tensor) -> list[tuple[Segment, list[int]]] | None:
+        nbytes = values.numel() * values.element_size()
+        ring = self._rings.get(model)
+        if ring is not None and ring[0][0].handle.nbytes == nbytes:
+            return ring
+        if ring is not None:
+            _close(ring)
+        try:
+            segments = [Segment.create(nbytes) for _ in range(self._count)]
+        except OSError as e:
+            logger.warning("No shared memory for forwarding updates (%s): object store.", e)
+            self._rings[model] = []
+            return None
+        self._rings[model] = ring = [(s, [0]) for s in segments]
+        self._next[model] = 0
+        return ring
+
+    def close(self) -> None:
+        """Unmaps every slot (a replica that mapped them keeps its mapping)."""
+        rings, self._rings = self._rings, {}
+        for ring in rings.values():
+            _close(ring)
+
+
+def _close(ring: list[tuple[Segment, list[int]]]) -> None:
+    for segment, _ in ring:
+        segment.close()
+
+
+def make_slots(same_node: bool, num_workers: int) -> Slots | None:
+    """Slots for a replica on the primary's node (``None`` for one on another node,
+    or where the host cannot share memory). Each worker has at most two updates
+    unconfirmed (see :mod:`ray_ps_plugin._param.replica`), so ``2 * num_workers``
+    slots always suffice; at most 4 are made per model (each the slice's size)."""
+    if not same_node or not available():
+        return None
+    return Slots(min(2 * num_workers, 4))
+
+
+class SlotReader:
+    """The replica's side: maps the primary's segments once, reads slots."""
+
+    def __init__(self) -> None:
+        self._segments: dict[SegmentHandle, Segment] = {}
+
+    def values(self, ref: SlotRef) -> np.ndarray:
+        """The update in ``ref``'s slot (no copy: read before it is confirmed)."""
+        segment = self._segments.get(ref.handle)
+        if segment is None:
+            segment = self._segments[ref.handle] = Segment.open(ref.handle)
+        return segment.view(0, np.dtype(ref.dtype), ref.count)
