@@ -184,10 +184,11 @@ class PSConfig(TorchConfig):
         shard_replicas: ``1`` holds every shard's state twice (``"async"`` and
             ``"ssp"``): a replica shard on another node (the next worker's node,
             or another node carrying ``server_resources``; the same node where
-            there is no other) replays every update its primary applies, and the
-            primary answers a worker only once the replica holds it. When a
-            primary dies, the workers go on with its replica, losing no confirmed
-            update and restarting nothing. Sharded embedding tables are not
+            there is no other) replays every update its primary applies; a
+            worker keeps each update until the replica holds it (the primary
+            confirms it with its answer to the next push). When a primary dies,
+            the workers go on with its replica, losing no update and restarting
+            nothing. Sharded embedding tables are not
             replicated (refused). ``0`` (default): one copy, as before.
         sparse_optimizer: Where the optimizer of sparse embedding tables
             (``nn.Embedding`` / ``nn.EmbeddingBag`` with ``sparse=True`` on a real
