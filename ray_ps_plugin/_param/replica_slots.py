@@ -82,6 +82,8 @@ class Slots:
     def _ring(self, model: int, values: torch.Tensor) -> list[tuple[Segment, list[int]]] | None:
         nbytes = values.numel() * values.element_size()
         ring = self._rings.get(model)
+        if ring == []:
+            return None  # no segment could be made: by value from then on
         if ring is not None and ring[0][0].handle.nbytes == nbytes:
             return ring
         if ring is not None:

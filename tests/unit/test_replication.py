@@ -419,3 +419,16 @@ def test_a_shared_memory_slot_is_reused_only_once_its_change_is_held():
     np.testing.assert_array_equal(reader.values(again), np.full(5, 6.0, np.float32))
     np.testing.assert_array_equal(reader.values(refs[1]), np.full(5, 2.0, np.float32))
     slots.close()
+
+
+def test_slots_that_cannot_be_made_leave_every_update_to_go_by_value(monkeypatch):
+    """A host out of shared memory warns once and forwards by value from then on."""
+    from ray_ps_plugin._param import replica_slots
+
+    def refuse(nbytes):
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(replica_slots.Segment, "create", refuse)
+    slots = replica_slots.make_slots(True, 2)
+    assert slots.put(0, torch.ones(5), 1) is None
+    assert slots.put(0, torch.ones(5), 2) is None
