@@ -34,6 +34,9 @@ Variants (run in alternation within each round, so drifts hit them alike):
   4-bit levels with error feedback, replies as bf16;
   ``ps_diloco_h32_overlap``: H = 32 with ``diloco_overlap=True``;
   ``ps_diloco_h32_noagg``: H = 32 without node relays (``node_aggregation=False``).
+- ``ps_async`` / ``ps_async_replicated``: ``mode="async"``, the second with
+  ``shard_replicas=1`` (each shard's state held on a second shard on another node,
+  so every update also crosses the link to its replica); held against each other.
 - ``compute``: no synchronisation at all (the floor; not run by default).
 
 Step time is rank 0's mean over the steps after warm-up; the table shows the median
@@ -135,6 +138,8 @@ VARIANTS: dict[str, tuple[dict[str, Any], str | None, bool]] = {
         None,
         True,
     ),
+    "ps_async": ({"strategy": "ps", "mode": "async"}, None, True),
+    "ps_async_replicated": ({"strategy": "ps", "mode": "async", "shard_replicas": 1}, None, True),
     "compute": ({"strategy": "ddp"}, None, False),
 }
 DEFAULT_VARIANTS = "ddp,ddp_bf16,ps_sync,ps_sync_bf16"
@@ -340,7 +345,11 @@ def run_rounds(names: list[str], args: argparse.Namespace) -> list[dict[str, dic
 
 
 def counterpart(name: str, names: list[str]) -> str:
-    """What a PS variant is held against: DDP, or DDP with its bf16 hook."""
+    """What a PS variant is held against: DDP, DDP with its bf16 hook, or (a
+    replicated variant) the same variant without replicas."""
+    plain = name.removesuffix("_replicated")
+    if plain != name and plain in names:
+        return plain
     return "ddp_bf16" if "bf16" in name and "ddp_bf16" in names else "ddp"
 
 

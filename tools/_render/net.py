@@ -36,9 +36,11 @@ NET_LABELS = {
     "ps_diloco_h32_int4": 'PS DiLoCo, `local_steps=32`, `compression="int4"`',
     "ps_diloco_h32_overlap": "PS DiLoCo, `local_steps=32`, `diloco_overlap=True`",
     "ps_diloco_h32_noagg": "PS DiLoCo, `local_steps=32`, `node_aggregation=False`",
+    "ps_async": "PS async",
+    "ps_async_replicated": "PS async, `shard_replicas=1`",
     "compute": "compute only (no synchronisation)",
 }
-NET_BASES = {"ddp": "DDP", "ddp_bf16": "DDP + bf16 hook"}
+NET_BASES = {"ddp": "DDP", "ddp_bf16": "DDP + bf16 hook", "ps_async": "PS async"}
 # Variants that move PS sync's bytes by construction (another chunk size or shard
 # placement): the cost-model table leaves them out.
 SAME_BYTES_AS_PS_SYNC = {
