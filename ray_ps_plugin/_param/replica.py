@@ -171,11 +171,14 @@ class ReplicaLink:
             self.timeout_s,
             error,
         )
-        # A live replica that missed an update must not take over later.
+        # A live replica that missed an update must not take over later. Only an
+        # actor is killed: ray.kill on anything else would first start Ray here.
         try:
             import ray
+            from ray.actor import ActorHandle
 
-            ray.kill(replica, no_restart=True)
+            if isinstance(replica, ActorHandle):
+                ray.kill(replica, no_restart=True)
         except Exception:
             logger.debug("shard %d: killing its replica", self.shard_index, exc_info=True)
 
