@@ -88,10 +88,14 @@ class Slots:
             return ring
         if ring is not None:
             _close(ring)
+        segments: list[Segment] = []
         try:
-            segments = [Segment.create(nbytes) for _ in range(self._count)]
+            for _ in range(self._count):
+                segments.append(Segment.create(nbytes))
         except OSError as e:
             logger.warning("No shared memory for forwarding updates (%s): object store.", e)
+            for segment in segments:  # those made before the host ran out
+                segment.close()
             self._rings[model] = []
             return None
         self._rings[model] = ring = [(s, [0]) for s in segments]

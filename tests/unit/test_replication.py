@@ -432,3 +432,24 @@ def test_slots_that_cannot_be_made_leave_every_update_to_go_by_value(monkeypatch
     slots = replica_slots.make_slots(True, 2)
     assert slots.put(0, torch.ones(5), 1) is None
     assert slots.put(0, torch.ones(5), 2) is None
+
+
+def test_segments_made_before_the_host_runs_out_are_closed(monkeypatch):
+    """The second of a ring's segments cannot be made: the first is unmapped and its
+    descriptor closed, not left open for the shard's lifetime."""
+    from ray_ps_plugin._param import replica_slots
+
+    made = []
+    create = replica_slots.Segment.create
+
+    def second_fails(nbytes):
+        if made:
+            raise OSError("no space left on device")
+        made.append(create(nbytes))
+        return made[-1]
+
+    monkeypatch.setattr(replica_slots.Segment, "create", second_fails)
+    slots = replica_slots.make_slots(True, 2)
+    assert slots.put(0, torch.ones(5), 1) is None
+    assert len(made) == 1
+    assert made[0]._fd is None and made[0].bytes.size == 0
