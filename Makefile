@@ -21,7 +21,7 @@ demo: $(VENV)/.runtime
 	$(PY) examples/quickstart.py
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q --durations=15 -n 2 --dist loadfile --no-loadscope-reorder tests
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check ray_ps_plugin tests benchmarks examples tools

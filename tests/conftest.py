@@ -32,3 +32,30 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int) -> None:
     terminalreporter.write_line(f"{len(_UNEXPECTED)} such skip(s) {verdict}:")
     for line in _UNEXPECTED:
         terminalreporter.write_line(f"  {line}")
+
+
+#: Integration files, the longest first (their time on the 2-core CI machine, from
+#: ``--durations``). ``make test`` runs two pytest-xdist workers that take whole files
+#: in collection order (``--dist loadfile --no-loadscope-reorder``); starting with the
+#: longest keeps both busy until the end. It changes the order only, never a result.
+_LONGEST_FIRST = (
+    "test_worker_loss",
+    "test_faults",
+    "test_tables",
+    "test_multinode",
+    "test_compat",
+    "test_modes",
+    "test_netbed",
+    "test_frameworks",
+    "test_replication",
+    "test_tune",
+    "test_sync",
+    "test_gpu",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+    # A stable sort: each file's tests stay together and in their order, and every
+    # file not named keeps its place after the named ones.
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))

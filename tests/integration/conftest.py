@@ -1,4 +1,5 @@
-"""One real local Ray cluster for the whole integration session."""
+"""One real local Ray cluster per pytest process (``make test`` runs two, each taking
+whole files), for all the integration tests that process runs."""
 
 import os
 
@@ -6,6 +7,10 @@ import os
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
 # Ray Train polls Ray for node drains (preemption notices) every 5 s by default.
 os.environ.setdefault("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "0.5")
+# Each run starts one more actor to watch for those drains; only the preemption
+# test reads them, and it turns the watcher on for its own run (the driver's
+# setting reaches that run's controller when fit() starts it).
+os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # Ray Train waits up to 30 s by default for the workers to destroy their torch
 # process group at shutdown, all of it when a worker hangs or is cut off; a healthy

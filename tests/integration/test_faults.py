@@ -203,11 +203,13 @@ def _drain_for_preemption(node_id: str, deadline_s: float) -> None:
 
 
 def test_preemption_checkpoints_the_shards_and_resumes_losing_at_most_one_step(
-    ray_cluster, tmp_path
+    ray_cluster, tmp_path, monkeypatch
 ):
     """Async: on a preemption notice the workers write a checkpoint holding the
     shards' parameters; the node then goes, the run resumes from that checkpoint on
     the remaining node, and the new shards hold exactly its parameters."""
+    # The session turns Ray Train's preemption watcher off (tests/integration/conftest.py).
+    monkeypatch.setenv("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "1")
     marker_dir = tmp_path / "markers-preempt"
     marker_dir.mkdir()
 
