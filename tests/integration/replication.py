@@ -86,6 +86,78 @@ def two_models_loop(config: dict[str, Any]) -> None:
         )
 
 
+def lightning_loop(config: dict[str, Any]) -> None:
+    """The same two parts in one ``LightningModule`` (the digits MLP, and the probe as
+    a parameter of its own optimizer param group), trained by Lightning's ``Trainer``
+    under Ray's recipe (``RayDDPStrategy``, ``RayLightningEnvironment``,
+    ``prepare_trainer``) for ``steps`` optimizer steps; a callback names shard 0's
+    primary at ``kill_step``. Rank 0 reports whether its transport moved shard 0 to
+    the replica, and the checkpoint :func:`final_state` reads."""
+    import pytorch_lightning as pl
+    from ray.train.lightning import RayDDPStrategy, RayLightningEnvironment, prepare_trainer
+
+    from ray_ps_plugin import _runtime
+
+    rank = ray.train.get_context().get_world_rank()
+    xtr, ytr, _, _ = digits.load_digits_split()
+    torch.manual_seed(config.get("seed", 0))
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = digits.make_model()
+            self.probe = nn.Parameter(torch.zeros(1, PROBE_SIZE))
+
+        def training_step(self, batch: Any, _: int) -> torch.Tensor:
+            x, y = batch
+            # The probe's gradient is ones, whatever the batch.
+            return nn.functional.cross_entropy(self.net(x), y) + self.probe.sum()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(
+                [
+                    {"params": self.net.parameters(), "lr": 0.1, "momentum": 0.9},
+                    {"params": [self.probe], "lr": PROBE_LR},
+                ]
+            )
+
+    class NameTheVictim(pl.Callback):
+        def on_train_batch_start(self, trainer: pl.Trainer, *_: Any) -> None:
+            if rank == 0 and trainer.global_step == config["kill_step"]:
+                _name_the_victim(Path(config["out_dir"]) / "kill_marker")
+
+    data = torch.utils.data.TensorDataset(xtr, ytr)
+    trainer = pl.Trainer(
+        max_steps=config["steps"],
+        accelerator="cpu",
+        devices="auto",
+        strategy=RayDDPStrategy(),
+        plugins=[RayLightningEnvironment()],
+        callbacks=[NameTheVictim()],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+    )
+    module = Module()
+    prepare_trainer(trainer).fit(
+        module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=32, shuffle=True)
+    )
+    ps = get_ps_context()
+    assert ps is not None
+    ps.flush()
+    ray.train.collective.barrier()
+    state = module.state_dict()  # pulls the shards' parameters first
+    with tempfile.TemporaryDirectory() as d:
+        checkpoint = None
+        if rank == 0:
+            net = {k.removeprefix("net."): v for k, v in state.items() if k.startswith("net.")}
+            torch.save({"model": net, "probe": {"weight": state["probe"]}}, Path(d) / "state.pt")
+            checkpoint = ray.train.Checkpoint.from_directory(d)
+        moved = _runtime._TRANSPORT is not None and _runtime._TRANSPORT.moved(0)
+        ray.train.report({"moved": moved}, checkpoint=checkpoint)
+
+
 def _name_the_victim(marker: Path) -> None:
     """Writes shard 0's primary's node and process for the test, then waits a
     little so the kill lands while the workers train."""
