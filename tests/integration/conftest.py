@@ -31,6 +31,7 @@ from tests.integration import (
     digits,
     dlrm,
     faults,
+    frameworks,
     loops,
     replication,
     tables,
@@ -41,6 +42,7 @@ from tests.integration import (
 cloudpickle.register_pickle_by_value(loops)
 cloudpickle.register_pickle_by_value(digits)
 cloudpickle.register_pickle_by_value(faults)
+cloudpickle.register_pickle_by_value(frameworks)
 cloudpickle.register_pickle_by_value(compat_loops)
 cloudpickle.register_pickle_by_value(tables)
 cloudpickle.register_pickle_by_value(dlrm)

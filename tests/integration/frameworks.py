@@ -72,10 +72,35 @@ def classification_data(n: int = 256, dim: int = 16, classes: int = 4) -> Any:
     return torch.utils.data.TensorDataset(x, y)
 
 
+def ray_lightning_trainer(
+    steps: int, callbacks: list[Any], strategy: Any = None, **kwargs: Any
+) -> Any:
+    """``pl.Trainer`` as Ray Train's Lightning recipe builds it (``RayDDPStrategy``,
+    ``RayLightningEnvironment``, ``prepare_trainer``), on CPU, quiet, for ``steps``
+    optimizer steps."""
+    import pytorch_lightning as pl
+    from ray.train.lightning import RayDDPStrategy, RayLightningEnvironment, prepare_trainer
+
+    trainer = pl.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        devices="auto",
+        strategy=strategy or RayDDPStrategy(),
+        plugins=[RayLightningEnvironment()],
+        callbacks=callbacks,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        **kwargs,
+    )
+    return prepare_trainer(trainer)
+
+
 def lightning_loop(config: dict[str, Any]) -> Trained:
     """A LightningModule trained by ``pl.Trainer`` with Ray's DDP strategy."""
     import pytorch_lightning as pl
-    from ray.train.lightning import RayDDPStrategy, RayLightningEnvironment, prepare_trainer
+    from ray.train.lightning import RayDDPStrategy
 
     class TinyClassifier(pl.LightningModule):
         def __init__(self, lr: float) -> None:
@@ -115,20 +140,12 @@ def lightning_loop(config: dict[str, Any]) -> Trained:
     model = TinyClassifier(config.get("lr", 0.1))
     data = classification_data()
     loader = torch.utils.data.DataLoader(data, batch_size=16, shuffle=True)
-    trainer = pl.Trainer(
-        max_steps=config["steps"],
-        accelerator="cpu",
-        devices="auto",
-        strategy=RayDDPStrategy(**config.get("strategy_kwargs", {})),
-        plugins=[RayLightningEnvironment()],
-        callbacks=[TimeSteps()],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        logger=False,
+    trainer = ray_lightning_trainer(
+        config["steps"],
+        [TimeSteps()],
+        RayDDPStrategy(**config.get("strategy_kwargs", {})),
         deterministic=True,
     )
-    trainer = prepare_trainer(trainer)
     trainer.fit(model, train_dataloaders=loader)
     x, y = data.tensors
     return (

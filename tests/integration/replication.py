@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 
 from ray_ps_plugin import get_ps_context
-from tests.integration import digits
+from tests.integration import digits, frameworks
 
 PROBE_LR = 2.0**-6
 PROBE_SIZE = 64
@@ -94,7 +94,6 @@ def lightning_loop(config: dict[str, Any]) -> None:
     primary at ``kill_step``. Rank 0 reports whether its transport moved shard 0 to
     the replica, and the checkpoint :func:`final_state` reads."""
     import pytorch_lightning as pl
-    from ray.train.lightning import RayDDPStrategy, RayLightningEnvironment, prepare_trainer
 
     from ray_ps_plugin import _runtime
 
@@ -127,20 +126,8 @@ def lightning_loop(config: dict[str, Any]) -> None:
                 _name_the_victim(Path(config["out_dir"]) / "kill_marker")
 
     data = torch.utils.data.TensorDataset(xtr, ytr)
-    trainer = pl.Trainer(
-        max_steps=config["steps"],
-        accelerator="cpu",
-        devices="auto",
-        strategy=RayDDPStrategy(),
-        plugins=[RayLightningEnvironment()],
-        callbacks=[NameTheVictim()],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        logger=False,
-    )
     module = Module()
-    prepare_trainer(trainer).fit(
+    frameworks.ray_lightning_trainer(config["steps"], [NameTheVictim()]).fit(
         module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=32, shuffle=True)
     )
     ps = get_ps_context()

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from ray import cloudpickle, tune
+from ray import tune
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 
 pytest.importorskip("pytorch_lightning")
@@ -29,9 +29,6 @@ pytest.importorskip("transformers")
 from ray_ps_plugin import PSConfig, PSTrainer
 from ray_ps_plugin.tune import make_trainable
 from tests.integration import frameworks, loops
-
-# Workers cannot import the tests package; ship the loops by value.
-cloudpickle.register_pickle_by_value(frameworks)
 
 # The sweep (4 Train runs, each importing both frameworks in fresh worker processes)
 # runs in the first test's set-up.

@@ -65,20 +65,24 @@ def _no_leaks() -> None:
     assert loops.wait_until(lambda: loops.live_placement_groups() == 0)
 
 
-def test_a_killed_shard_process_is_replaced_by_its_replica_without_a_restart(tmp_path):
-    """Both workers on one node: shards in their bundles, each replica in the other
-    worker's bundle. Shard 0's process is SIGKILLed; the workers' next calls find it
-    dead and go on with its replica."""
+def _shard_0_killed(tmp_path, name, **fit):
+    """A run on one node (shards in the workers' bundles, each replica in the other
+    worker's bundle) in which shard 0's process is SIGKILLed once the loop names it;
+    the run's final state."""
     marker = tmp_path / "kill_marker"
     thread = _kill_when_named(marker, lambda victim: os.kill(victim["pid"], signal.SIGKILL))
     result = _fit(
-        tmp_path,
-        "process",
-        ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
+        tmp_path, name, ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}), **fit
     )
     thread.join(10)
     assert marker.exists()
-    state = replication.final_state(result)
+    return result, replication.final_state(result)
+
+
+def test_a_killed_shard_process_is_replaced_by_its_replica_without_a_restart(tmp_path):
+    """Both workers on one node. Shard 0's process is SIGKILLed; the workers' next
+    calls find it dead and go on with its replica."""
+    _, state = _shard_0_killed(tmp_path, "process")
     _assert_no_update_lost(state)
     assert state["accuracy"] > 0.9
     _no_leaks()
@@ -89,19 +93,10 @@ def test_a_lightning_loop_in_ssp_goes_on_with_the_replica_of_a_killed_shard(tmp_
     ssp. Shard 0's process is SIGKILLed at step 80; Lightning never sees it: no
     restart, every update applied once, and the digits learnt."""
     pytest.importorskip("pytorch_lightning")
-    marker = tmp_path / "kill_marker"
-    thread = _kill_when_named(marker, lambda victim: os.kill(victim["pid"], signal.SIGKILL))
-    result = _fit(
-        tmp_path,
-        "lightning",
-        ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
-        loop=replication.lightning_loop,
-        mode="ssp",
-        staleness=2,
+    result, state = _shard_0_killed(
+        tmp_path, "lightning", loop=replication.lightning_loop, mode="ssp", staleness=2
     )
-    thread.join(10)
     assert result.metrics["moved"]  # the kill landed mid-run and rank 0 failed over
-    state = replication.final_state(result)
     _assert_no_update_lost(state)
     assert state["accuracy"] > 0.9
     _no_leaks()
