@@ -20,7 +20,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ import torch.nn as nn
 
 from ray_ps_plugin import get_ps_context
 from tests.integration import digits, frameworks
+from tests.integration.loops import report_with_state
 
 PROBE_LR = 2.0**-6
 PROBE_SIZE = 64
@@ -70,20 +70,22 @@ def two_models_loop(config: dict[str, Any]) -> None:
             log.write(json.dumps({"step": step, "t": time.time()}) + "\n")
             log.flush()
             time.sleep(config.get("sleep_s", 0.0))
+    ps = _flushed()
+    report_with_state(
+        {"replica_node_ids": list(ps.replica_node_ids), "pid": os.getpid()},
+        "state.pt",
+        lambda: {"model": model.module.state_dict(), "probe": probe.module.state_dict()},
+    )
+
+
+def _flushed() -> Any:
+    """The PS context once every worker's updates are on the shards (each flushes,
+    then all meet at a barrier), so a state read from here on holds all of them."""
     ps = get_ps_context()
     assert ps is not None
     ps.flush()
     ray.train.collective.barrier()
-    with tempfile.TemporaryDirectory() as d:
-        checkpoint = None
-        if rank == 0:
-            state = {"model": model.module.state_dict(), "probe": probe.module.state_dict()}
-            torch.save(state, Path(d) / "state.pt")
-            checkpoint = ray.train.Checkpoint.from_directory(d)
-        ray.train.report(
-            {"replica_node_ids": list(ps.replica_node_ids), "pid": os.getpid()},
-            checkpoint=checkpoint,
-        )
+    return ps
 
 
 def lightning_loop(config: dict[str, Any]) -> None:
@@ -130,24 +132,20 @@ def lightning_loop(config: dict[str, Any]) -> None:
     frameworks.ray_lightning_trainer(config["steps"], [NameTheVictim()]).fit(
         module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=32, shuffle=True)
     )
-    ps = get_ps_context()
-    assert ps is not None
-    ps.flush()
-    ray.train.collective.barrier()
-    state = module.state_dict()  # pulls the shards' parameters first
-    with tempfile.TemporaryDirectory() as d:
-        checkpoint = None
-        if rank == 0:
-            net = {k.removeprefix("net."): v for k, v in state.items() if k.startswith("net.")}
-            torch.save({"model": net, "probe": {"weight": state["probe"]}}, Path(d) / "state.pt")
-            checkpoint = ray.train.Checkpoint.from_directory(d)
-        moved = _runtime._TRANSPORT is not None and _runtime._TRANSPORT.moved(0)
-        ray.train.report({"moved": moved}, checkpoint=checkpoint)
+    _flushed()
+
+    def state() -> dict[str, Any]:
+        params = module.state_dict()  # pulls the shards' parameters first
+        net = {k.removeprefix("net."): v for k, v in params.items() if k.startswith("net.")}
+        return {"model": net, "probe": {"weight": params["probe"]}}
+
+    moved = _runtime._TRANSPORT is not None and _runtime._TRANSPORT.moved(0)
+    report_with_state({"moved": moved}, "state.pt", state)
 
 
 def _name_the_victim(marker: Path) -> None:
-    """Writes shard 0's primary's node and process for the test, then waits a
-    little so the kill lands while the workers train."""
+    """Writes shard 0's primary's node and process for the test, which kills it
+    while the workers train on."""
     from ray_ps_plugin import _runtime
 
     ps = get_ps_context()
