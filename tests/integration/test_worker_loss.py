@@ -34,6 +34,10 @@ MODES = {
     "ssp": {"mode": "ssp", "staleness": 4, "replace_lost_workers": True},
     "diloco": {"mode": "diloco", "local_steps": 16, "replace_lost_workers": True},
 }
+#: Diloco's survivor paces its steps until the replacement joins (160 of them
+#: outlast ``FIRST_STEP_S``); async's and ssp's replacement start at the lost
+#: worker's step whenever they join.
+PACE = {"diloco": {"pace_until_replaced_s": 0.25}}
 #: Longest time the surviving worker may take no step (on 2 cores the
 #: replacement's start competes for them), and the replacement's first step.
 MAX_GAP_S, FIRST_STEP_S = 5.0, 30.0
@@ -73,7 +77,14 @@ def uninterrupted(ray_cluster, tmp_path_factory):
 def test_a_killed_worker_is_replaced_alone_while_the_other_never_stops(
     tmp_path, uninterrupted, mode
 ):
-    result, out = _fit(tmp_path, mode, PSConfig(**MODES[mode]), kill_rank=1, kill_step=KILL_STEP)
+    result, out = _fit(
+        tmp_path,
+        mode,
+        PSConfig(**MODES[mode]),
+        kill_rank=1,
+        kill_step=KILL_STEP,
+        **PACE.get(mode, {}),
+    )
     timelines = workerloss.read_timelines(out)
     killed = float((out / "killed").read_text())
     survivor, lost = timelines[0], timelines[1]

@@ -4,7 +4,9 @@ Each worker appends one line per step to ``timeline_rank<R>.jsonl`` in the confi
 ``out_dir``: the step, the wall time and its process id, so a test (or the
 benchmark) can tell which steps ran twice, how long no worker stepped, and when a
 replacement took its first step. Rank ``kill_rank`` SIGKILLs its own process at
-``kill_step`` once (a marker file makes the replacement live). The loop goes on
+``kill_step`` once (a marker file makes the replacement live); with
+``pace_until_replaced_s`` the other ranks take at least that long per step from
+then until the replacement has joined (see ``_pace``). The loop goes on
 from ``get_ps_context().start_step`` (where the shards hold its rank), or, for
 loops that rely on checkpoints, from the step of the checkpoint Ray Train hands
 back. Shipped to workers by value.
@@ -72,7 +74,7 @@ def timeline_loop(config: dict[str, Any]) -> None:
             opt.step()
             log.write(json.dumps({"step": step, "t": time.time(), "pid": os.getpid()}) + "\n")
             log.flush()
-            time.sleep(config.get("sleep_s", 0.0))
+            time.sleep(_pace(config, rank, step))
             every = config.get("every")
             if every and (step + 1) % every == 0 and step + 1 < config["steps"]:
                 _report(model, opt, step + 1, with_state=True)
@@ -83,6 +85,21 @@ def timeline_loop(config: dict[str, Any]) -> None:
         clocks = {"clocks": list(ps.stats.clocks)}
         (Path(config["out_dir"]) / f"clocks_rank{rank}.json").write_text(json.dumps(clocks))
     _report(model, opt, config["steps"], with_state=False)
+
+
+def _pace(config: dict[str, Any], rank: int, step: int) -> float:
+    """The pretend work after ``step``: ``sleep_s``, or ``pace_until_replaced_s`` on
+    a rank that was not killed, after the kill, until the replacement has recorded
+    its first parameters. Diloco's replacement starts at the round the others are
+    in, so a survivor that ends its steps before the replacement's start (seconds
+    on 2 busy cores) would leave it none to take; the survivor still steps
+    throughout, only slower, as real steps would be."""
+    pace = config.get("pace_until_replaced_s")
+    kill_rank = config.get("kill_rank")
+    if pace is None or rank == kill_rank or step < config.get("kill_step", 0):
+        return config.get("sleep_s", 0.0)
+    joined = len(list(Path(config["out_dir"]).glob(f"first_{kill_rank}_*.pt"))) > 1
+    return config.get("sleep_s", 0.0) if joined else pace
 
 
 def _start_step(model: nn.Module, opt: torch.optim.Optimizer) -> int:
