@@ -48,6 +48,7 @@ from .recsys import (
 from .resnet18 import resnet_table
 from .results import ROOT, RenderError
 from .step_time import (
+    replication_profile_table,
     replication_table,
     round_ms,
     step_bytes,
@@ -81,6 +82,7 @@ RENDERERS: dict[str, Callable[..., str]] = {
     for f in (
         step_time_table,
         replication_table,
+        replication_profile_table,
         step_ratio,
         step_compare,
         round_ms,

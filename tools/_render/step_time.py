@@ -97,3 +97,42 @@ def replication_table() -> str:
     )
     provenance = _provenance("replication_step_time", "step_time", "replication_step_time.json")
     return provenance + "\n\n" + table
+
+
+def replication_profile_table() -> str:
+    """CPU time per step of each kind of process, by part of the work, without and
+    with replicas (``benchmarks/replication_profile.py``), and both runs' totals."""
+    d = read_json("replication_profile")
+    base, repl = (d["variants"][v] for v in ("ps_async", "ps_async_replicated"))
+
+    def cell(run: dict, role: str, part: str | None = None) -> float:
+        entry = run["roles"].get(role)
+        if entry is None:
+            return 0.0
+        parts = entry["ms_per_step"]
+        return parts.get(part, 0.0) if part else sum(parts.values())
+
+    def ms(value: float) -> str:
+        return f"{value:.1f}" if value else "–"
+
+    rows = []
+    for role in ("worker", "primary shard", "replica"):
+        entry = repl["roles"].get(role) or base["roles"].get(role)
+        if entry is None:
+            continue
+        parts = sorted(entry["ms_per_step"], key=lambda p: -entry["ms_per_step"][p])
+        for part in parts:
+            row = [f"{role} (×{entry['processes']})", part]
+            rows.append([*row, ms(cell(base, role, part)), ms(cell(repl, role, part))])
+    totals = [sum(cell(run, r) for r in run["roles"]) for run in (base, repl)]
+    rows.append(["all", "**CPU, ms per step**", *(f"**{t:.0f}**" for t in totals)])
+    steps = [run["median_step_ms"] for run in (base, repl)]
+    rows.append(["", "**median step, ms**", *(f"**{s:.1f}**" for s in steps)])
+    rows.append(
+        ["", "ratio", "", f"CPU {_x(totals[1] / totals[0])}, step {_x(steps[1] / steps[0])}"]
+    )
+    table = _table(["process", "part of the work", "async", "async, `shard_replicas=1`"], rows)
+    provenance = _provenance(
+        "replication_profile", "replication_profile", "replication_profile.json"
+    )
+    return provenance + "\n\n" + table
