@@ -144,15 +144,14 @@ def _classify(kind: str, stacks: list[str]) -> tuple[str, collections.Counter[st
     """The process's role and its samples by part."""
     parts = WORKER_PARTS if kind == "worker" else SHARD_PARTS
     counts: collections.Counter[str] = collections.Counter()
-    role = kind
     for line in stacks:
         stack, _, n = line.rpartition(" ")
-        if kind == "shard" and "push_local" in stack:
-            role = "primary shard"
-        part = _part(stack.split(";"), parts)
-        counts[part] += int(n)
-    if kind == "shard" and role == "shard":
-        role = "replica" if any("Replicated.replay" in s for s in stacks) else "shard"
+        counts[_part(stack.split(";"), parts)] += int(n)
+    role = kind
+    if kind == "shard" and any("push_local" in s for s in stacks):
+        role = "primary shard"
+    elif kind == "shard" and any("Replicated.replay" in s for s in stacks):
+        role = "replica"
     return role, counts
 
 
