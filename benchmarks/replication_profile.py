@@ -120,7 +120,7 @@ def _sample(args: argparse.Namespace, spy: str, into: dict[int, Any]) -> None:
             for pid, (_, path) in runs.items()
         ]
         for p, pid in zip(spies, runs):
-            if p.wait() != 0:
+            if p.wait(timeout=args.duration + 60) != 0:
                 raise RuntimeError(
                     f"py-spy on process {pid}: {p.stderr.read() if p.stderr else ''}"
                 )
