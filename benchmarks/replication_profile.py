@@ -53,9 +53,10 @@ WORKER_PARTS = [
 ]
 SHARD_PARTS = [
     ("copies each update for the replica", ("Slots.put",)),
-    ("forwards it (a Ray call)", ("ReplicaLink.forward", "_actor_method_call")),
+    ("forwards it (a frame or a Ray call)", ("ReplicaLink.forward", "_actor_method_call")),
     ("applies updates", ("ParamShard._apply",)),
     ("answers: copies parameters out", ("ParamShard._answer",)),
+    ("direct path: frames in and out", ("ray_ps_plugin/_wire/",)),
     ("other plugin work", ("ray_ps_plugin",)),
 ]
 REST = "Ray and asyncio"

@@ -117,9 +117,10 @@ class PSBackend(TorchBackend):
                 for shard, e in zip(shards, exported)
             ]
             _bounded(calls, cfg.ps_timeout_s, "the shards did not take the kept state")
+        direct = cfg.data_path == "tcp"  # a primary's changes reach its replica as frames
         if self._replicas:
             calls = [
-                s.set_replica.remote(r, node == replica_node)
+                s.set_replica.remote(r, node == replica_node, direct)
                 for s, r, node, replica_node in zip(
                     self._servers, self._replicas, server_nodes, replica_nodes
                 )
@@ -146,6 +147,7 @@ class PSBackend(TorchBackend):
                 self._tell_workers,
                 cfg.ps_timeout_s,
                 functools.partial(nodes_for_replicas, worker_group, cfg),
+                direct=direct,
             )
             self._keeper.start()
         logger.info(

@@ -54,6 +54,8 @@ class ReplicaKeeper:
         timeout_s: Bound on every call the keeper waits for.
         nodes_for_replicas: The nodes that may take a new replica now (alive, carrying
             what a shard asks for), in a stable order.
+        direct: Whether a primary sends its new replica changes as frames on the
+            direct path (the run's ``data_path="tcp"``).
     """
 
     def __init__(
@@ -64,8 +66,10 @@ class ReplicaKeeper:
         tell_workers: Callable[[int, Any, Any], None],
         timeout_s: float,
         nodes_for_replicas: Callable[[], list[str]],
+        direct: bool = False,
     ) -> None:
         self._failover = failover
+        self._direct = direct
         self._nodes = list(nodes)
         self._serving = [failover.server(s) for s in range(failover.num_shards)]
         self._start_replica = start_replica
@@ -153,7 +157,8 @@ class ReplicaKeeper:
                 raise RuntimeError(f"it runs on the primary's node {primary_node[:12]}")
             step = "seed"
             same_node = info["node_id"] == primary_node
-            ray.get(primary.add_replica.remote(new, same_node), timeout=self._timeout_s)
+            seeded = primary.add_replica.remote(new, same_node, self._direct)
+            ray.get(seeded, timeout=self._timeout_s)
         except Exception as e:
             ray.kill(new, no_restart=True)
             if step == "start":  # e.g. pinned to a node Ray lists but is gone

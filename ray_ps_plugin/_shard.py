@@ -73,12 +73,15 @@ class ShardBase:
         }
 
     async def open_wire(self, token: bytes, host: str | None = None) -> tuple[str, int]:
-        """Starts listening on the direct path (idempotent); returns its address.
+        """Starts listening on the direct path (once); returns its address.
 
         Args:
-            token: The run's secret every connection must start with.
+            token: A secret a connection may start with (the run's, or a primary's
+                for its replica); every call adds one.
             host: Address to listen on; by default the node's address in Ray.
         """
+        if self._wire_server is not None:
+            self._wire_server.allow(token)
         if self._address is None:
             if host is None:
                 import ray

@@ -419,7 +419,11 @@ class Lane:
 
 
 def open_lanes(
-    transport: Transport, model: int, spans: Mapping[int, tuple[int, int]], rank: int
+    transport: Transport,
+    model: int,
+    spans: Mapping[int, tuple[int, int]],
+    rank: int,
+    inputs: int = 1,
 ) -> dict[int, Lane]:
     """Attaches this worker to the shards of its node through shared memory.
 
@@ -429,6 +433,7 @@ def open_lanes(
         spans: ``(lo, nbytes)`` per shard: where its segments start in the model's
             byte stream and how large they are.
         rank: This worker's rank.
+        inputs: Deltas the input segment holds (two alternate by clock: replicas).
 
     Returns:
         One lane per shard that could be attached (see
@@ -437,7 +442,7 @@ def open_lanes(
 
     def attach(s: int, created: list[Segment]) -> Lane:
         lo, nbytes = spans[s]
-        created.append(Segment.create(nbytes))
+        created.append(Segment.create(nbytes * inputs))
         handles = transport.attach(s, model, rank, created[0].handle, lo, nbytes)
         created.extend(Segment.open(h) for h in handles)
         return Lane(lo, created[0], tuple(created[1:]))

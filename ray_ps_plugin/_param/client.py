@@ -80,9 +80,9 @@ class ParamClient(ClientBase):
                 for s in setup.local_shards
             },
             setup.rank,
+            inputs=2 if setup.settings.shard_replicas else 1,  # kept until the replica has it
         )
-        # The model's parameters as this worker exchanges them; the snapshot taken
-        # now is what rank 0 seeds the shards with.
+        # The parameters as this worker exchanges them (rank 0 seeds the shards now).
         self._flat = FlatParams(
             params, self._bounds, {s: lane.inputs for s, lane in self._lanes.items()}
         )
@@ -137,9 +137,8 @@ class ParamClient(ClientBase):
     def _join(self) -> None:
         """Takes the live shards' parameters (not rank 0's) and goes on from the
         lowest clock the shards hold for this rank: what a worker that died here
-        had applied counts, once. A push in flight at the death may have reached
-        some shards only: this worker's first update fills in the slices that
-        missed it, and the shards that took it ignore the repeat."""
+        applied counts, once. A push in flight at the death that reached some shards
+        only is filled in by this worker's first update (the others ignore it)."""
         replies = self._pull(0)
         self._clock = self.start_clock = min(r.clocks[self.rank] for r in replies)
         self._stamp = min(r.slowest for r in replies)
@@ -251,6 +250,7 @@ class ParamClient(ClientBase):
         # taking the delta, so it comes before the push (the previous reply's output
         # segment is not the one this push answers in). A reply ssp installed
         # before the forward pass is the base now: not installed or counted again.
+        self._flat.use_half(self._clock + 1)
         self._advance(None if self._installed else previous, self._clock % 2)
         self._inflight = InFlight(self._clock + 1, [], time.perf_counter())
         self._inflight.handles = self._push(self._inflight.held)

@@ -36,7 +36,8 @@ class FlatParams:
         params: The trainable parameters, in ``module.parameters()`` order.
         bounds: Element offsets of each shard's slice (``split_bounds``).
         inputs: The input segment of each colocated shard, by shard index: a
-            step's change for that shard is written straight into it.
+            step's change for that shard is written straight into it (a segment of
+            two slices holds two changes, used by clock parity: :meth:`use_half`).
 
     Raises:
         TypeError: If the parameters are not all of one floating dtype.
@@ -61,22 +62,38 @@ class FlatParams:
         # (contiguous CPU parameters), or the values go in with a copy afterwards.
         self._writes_in_place = not self.on_gpu and all(p.is_contiguous() for p in self.params)
         self.np_dtype = to_numpy(self.base).dtype
-        #: Where each shard's delta is taken: its shared memory, or ``delta``.
-        self.delta_parts = [
-            self.segment_tensor(inputs[s], b - a) if s in inputs else self.delta[a:b]
-            for s, (a, b) in enumerate(self.slices())
+        # Where each shard's delta is taken, by clock parity: its shared memory (a
+        # half of it where it holds two), or ``delta``.
+        self._halves = [
+            [
+                self.segment_tensor(inputs[s], b - a, half) if s in inputs else self.delta[a:b]
+                for s, (a, b) in enumerate(self.slices())
+            ]
+            for half in (0, 1)
         ]
+        #: Where each shard's delta is taken now (see :meth:`use_half`).
+        self.delta_parts = self._halves[0]
+        # Shards whose delta stays in place until it is written again two clocks on.
+        nbytes = [(b - a) * self.base.element_size() for a, b in self.slices()]
+        self._two = {s for s, seg in inputs.items() if seg.handle.nbytes >= 2 * nbytes[s]}
         self.pieces = pieces([p.numel() for p in self.params], bounds)
         # Each parameter's first element in the flat vector (also for empty ones,
         # which have no piece).
         self._offsets = list(itertools.accumulate((p.numel() for p in self.params), initial=0))
         self.snapshot()
 
+    def use_half(self, clock: int) -> None:
+        """Takes the next delta into the half of two-delta inputs ``clock`` uses."""
+        self.delta_parts = self._halves[clock % 2]
+
     def held_part(self, shard: int, sent: torch.Tensor | None = None) -> np.ndarray:
-        """A copy of what ``shard`` applies of this step's change (``sent``: the
-        decoded values a message carried, else the part in its buffer), in the
-        dtype shards compute in: kept until the shard's replica holds it."""
+        """What ``shard`` applies of this step's change (``sent``: the decoded values
+        a message carried, else the part in its buffer), in the dtype shards compute
+        in: kept until the shard's replica holds it. The part itself where it stays
+        in place long enough (a two-delta input, in that dtype), else a copy."""
         values = self.delta_parts[shard] if sent is None else sent
+        if sent is None and shard in self._two and values.element_size() >= 4:
+            return values.numpy()
         wide = torch.float32 if values.element_size() < 4 else values.dtype
         out: np.ndarray = values.to(wide, copy=True).numpy()
         return out
@@ -85,9 +102,12 @@ class FlatParams:
         """Each shard's ``(first, one past the last)`` element."""
         return list(zip(self.bounds, self.bounds[1:]))
 
-    def segment_tensor(self, seg: Segment, numel: int) -> torch.Tensor:
-        """The first ``numel`` values of a shared-memory segment, as a tensor."""
-        return as_torch(seg.view(0, self.np_dtype, numel))
+    def segment_tensor(self, seg: Segment, numel: int, half: int = 0) -> torch.Tensor:
+        """``numel`` values of a shared-memory segment, as a tensor: the first, or
+        for ``half=1`` of a segment that holds two, the second ``numel``."""
+        offset = numel * self.np_dtype.itemsize
+        two = seg.handle.nbytes >= 2 * offset
+        return as_torch(seg.view(offset if half and two else 0, self.np_dtype, numel))
 
     def snapshot(self) -> None:
         """``base = params``."""

@@ -21,8 +21,13 @@ replaces it goes on from clock ``k - 1`` and does step ``k`` again, as after any
 push lost in flight.
 
 Order: the primary numbers what it forwards, in the order it applied it, and the
-replica replays in that order (Ray does not order calls to an asyncio actor), so
-the two hold bit-identical parameters, not merely the same sum in another order.
+replica replays in that order (Ray does not order calls to an asyncio actor, and
+changes go as Ray calls until the frames' connection is open), so the two hold
+bit-identical parameters, not merely the same sum in another order.
+
+How a change travels: as a frame on the direct path (:mod:`.replay_channel`) or a
+Ray call; an update to a replica on the primary's node as its place in shared
+memory (:mod:`.replica_slots`).
 
 Failover: when the primary dies, each worker's transport confirms the death, tells
 the replica it now serves the slice (:meth:`ReplayOrder.promote`) and sends it the
@@ -48,7 +53,11 @@ import numpy as np
 import torch
 
 from ray_ps_plugin._errors import ShardProtocolError
+from ray_ps_plugin._param.replay_channel import ReplayChannel, decode_call
 from ray_ps_plugin._param.replica_slots import SlotReader, SlotRef, Slots, make_slots
+from ray_ps_plugin._param.state import ParamState
+from ray_ps_plugin._shm import SegmentHandle
+from ray_ps_plugin._wire.frames import Frame
 
 __all__ = ["REPLAYED", "ReplayOrder", "ReplicaLink", "Replicated"]
 
@@ -56,12 +65,33 @@ logger = logging.getLogger(__name__)
 
 #: The shard methods a primary forwards and a replica replays.
 REPLAYED = frozenset(
-    {"init", "mirror", "mirror_shared", "reseed", "finish", "leave", "admit", "restore"}
+    {
+        "init",
+        "mirror",
+        "mirror_shared",
+        "map_input",
+        "reseed",
+        "finish",
+        "leave",
+        "admit",
+        "restore",
+    }
 )
 
 
 async def _result(ref: Any) -> Any:
+    """Awaits a Ray call's result or a frame's answer."""
+    if isinstance(ref, concurrent.futures.Future):
+        return await asyncio.wrap_future(ref)
     return await ref
+
+
+def _future(ref: Any) -> concurrent.futures.Future[Any]:
+    return ref if isinstance(ref, concurrent.futures.Future) else ref.future()
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _held(slots: Slots, seq: int, replayed: concurrent.futures.Future[Any]) -> None:
@@ -83,7 +113,9 @@ class ReplicaLink:
         self.timeout_s = timeout_s
         self.num_workers = num_workers
         self.replica: Any = None
+        self.same_node = False  # the replica reads this node's shared memory
         self._slots: Slots | None = None  # a replica on this node: shared memory
+        self._channel: ReplayChannel | None = None  # frames instead of Ray calls
         # Numbers grow over replicas (a push may wait for a number taken before a
         # new replica was attached); each replica is sent them counted from 1.
         self._seq = 0
@@ -91,20 +123,34 @@ class ReplicaLink:
         self._pending: dict[int, Any] = {}  # unconfirmed forwards, in number order
         self._latest: dict[Hashable, int] = {}  # each update key's last number
 
-    def attach(self, replica: Any, same_node: bool = False) -> None:
+    def attach(self, replica: Any, same_node: bool = False, direct: bool = False) -> None:
         """From now on every change is forwarded to ``replica`` (an actor handle,
-        on this node if ``same_node``), which counts them from 1."""
+        on this node if ``same_node``), which counts them from 1: as frames on the
+        direct path once it is open if ``direct`` (see :mod:`.replay_channel`)."""
         self._close_slots()
         self.replica = replica
+        self._channel = ReplayChannel(replica, self.shard_index, self.timeout_s) if direct else None
+        self.same_node = same_node
         self._base = self._seq
         self._pending.clear()
         self._slots = make_slots(same_node, self.num_workers)
 
-    def forward_update(self, model: int, rank: int, clock: int, values: torch.Tensor) -> None:
+    def forward_update(
+        self,
+        model: int,
+        rank: int,
+        clock: int,
+        values: torch.Tensor,
+        shared: SlotRef | None = None,
+    ) -> None:
         """Forwards ``rank``'s update of ``clock`` as applied (``values``, in the
-        dtype the shard computes in): through a shared-memory slot where the
-        replica is on this node and a slot is free, else by value."""
+        dtype the shard computes in). A replica on this node reads it where it
+        lies (``shared``: the worker's input, when it holds ``values`` exactly),
+        else from a shared-memory slot if one is free; otherwise it goes by value."""
         if self.replica is None:
+            return
+        if shared is not None and self.same_node and shared.dtype == _name(values.dtype):
+            self.forward("mirror_shared", model, rank, clock, shared, key=(model, rank))
             return
         ref = self._slots.put(model, values, self._seq + 1) if self._slots else None
         if ref is None:
@@ -124,12 +170,22 @@ class ReplicaLink:
             return
         assert method in REPLAYED, method
         self._seq += 1
-        ref = self.replica.replay.remote(self._seq - self._base, method, args)
+        number = self._seq - self._base
+        ref = self._channel.submit(number, method, args) if self._channel else None
+        if ref is None:
+            ref = self.replica.replay.remote(number, method, args)
         self._pending[self._seq] = ref
         if key is not None:
             self._latest[key] = self._seq
         if self._slots is not None:  # a slot is free again once its change is held
-            ref.future().add_done_callback(functools.partial(_held, self._slots, self._seq))
+            _future(ref).add_done_callback(functools.partial(_held, self._slots, self._seq))
+
+    def map_inputs(self, *handles: SegmentHandle) -> None:
+        """Has a replica on this node map workers' input segments now, while the
+        workers are surely alive (see :meth:`SlotReader.open`)."""
+        if self.replica is not None and self.same_node:
+            for handle in handles:
+                self.forward("map_input", handle)
 
     def latest(self, key: Hashable) -> int:
         """The number of the last change forwarded under ``key`` (0: none)."""
@@ -154,9 +210,13 @@ class ReplicaLink:
             del self._pending[seq]
 
     def _close_slots(self) -> None:
+        """Releases the slots and the channel of the replica forwarded to so far."""
         slots, self._slots = self._slots, None
         if slots is not None:
             slots.close()
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            channel.close()
 
     def _drop(self, error: BaseException) -> None:
         replica, self.replica = self.replica, None
@@ -243,12 +303,29 @@ class Replicated:
 
     _link: ReplicaLink
     _order: ReplayOrder
+    _models: dict[int, ParamState]
     _slot_reader: SlotReader | None = None
 
-    def set_replica(self, replica: Any, same_node: bool = False) -> None:
+    def set_replica(self, replica: Any, same_node: bool = False, direct: bool = False) -> None:
         """Makes this shard a primary: every change is held by ``replica`` too
-        (on this node if ``same_node``: updates then go through shared memory)."""
-        self._link.attach(replica, same_node)
+        (on this node if ``same_node``: updates then go through shared memory;
+        as frames on the direct path if ``direct``)."""
+        self._link.attach(replica, same_node, direct)
+
+    async def add_replica(
+        self, replica: Any, same_node: bool = False, direct: bool = False
+    ) -> None:
+        """:meth:`set_replica` with a fresh shard of this slice: a snapshot now, then
+        every later change, in order (no ``await`` between the snapshot and its
+        forwarding, so no change falls in between)."""
+        self._link.attach(replica, same_node, direct)
+        self._link.forward("restore", self.export_state())
+        self._link.map_inputs(*(h for m in self._models.values() for h in m.input_handles()))
+        await self._link.confirm()
+
+    def export_state(self) -> dict[str, Any]:
+        """The shard's state, as a new replica's snapshot (the shard's own method)."""
+        raise NotImplementedError
 
     async def mirror(self, model: int, rank: int, clock: int, update: np.ndarray) -> None:
         """Takes an update its primary applied (the shard's own method)."""
@@ -260,9 +337,26 @@ class Replicated:
             self._slot_reader = SlotReader()
         await self.mirror(model, rank, clock, self._slot_reader.values(ref))
 
+    async def map_input(self, handle: SegmentHandle) -> None:
+        """Maps a worker's input segment (a replayed change: see
+        :meth:`ReplicaLink.map_input`); a worker that is gone already is only
+        logged, as it sends nothing more to read there."""
+        if self._slot_reader is None:
+            self._slot_reader = SlotReader()
+        try:
+            self._slot_reader.open(handle)
+        except OSError as e:
+            logger.debug("a worker's input is gone before its replica mapped it: %s", e)
+
     async def promote(self) -> bool:
         """Makes this replica serve its slice (see :meth:`ReplayOrder.promote`)."""
         return await self._order.promote()
+
+    async def replay_frame(self, frame: Frame, payload: np.ndarray) -> np.ndarray:
+        """:meth:`replay` of a change that came as a frame (see :mod:`.replay_channel`)."""
+        method, args = decode_call(payload)
+        await self.replay(frame.step, method, args)
+        return np.empty(0, np.uint8)
 
     async def replay(self, seq: int, method: str, args: tuple[Any, ...]) -> None:
         """Replays change ``seq`` of the primary, after every change before it.

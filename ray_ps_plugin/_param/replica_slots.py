@@ -4,8 +4,18 @@ A primary forwards every update it applies to its replica. Through Ray's object
 store a 12 MB update costs about 9 ms of a loaded 2-core machine (the store's
 put, the call, its bookkeeping) against 1.4 ms for copying the bytes; on one node
 that made replication nearly double an async step. So when the replica runs on
-the primary's node, the primary copies each update into one of a few shared-memory
-slots and forwards only the slot's name; the replica adds straight from it.
+the primary's node, it reads each update from shared memory and only the update's
+place is forwarded:
+
+- **The worker's own input** (:func:`lane_update`), where the worker wrote the
+  update through shared memory: with replicas a worker's input holds two updates,
+  written by clock parity, and update ``k``'s half is written again only for
+  ``k + 2``, once the answer to ``k + 1`` confirmed the replica holds ``k``. No one
+  copies the update: the worker keeps it there for a failover, the primary applies
+  it from there, the replica replays it from there.
+- **A slot of the primary** (:class:`Slots`) otherwise (an update that came by
+  message, or in another dtype than the shard computes in): the primary copies the
+  update into one of a few shared-memory slots.
 
 A slot is written again only once the replica confirmed the change that last
 used it (changes are confirmed in their order). When every slot is still in use,
@@ -28,18 +38,35 @@ import torch
 from ray_ps_plugin._codec import as_torch
 from ray_ps_plugin._shm import Segment, SegmentHandle, available
 
-__all__ = ["SlotReader", "SlotRef", "Slots", "make_slots"]
+__all__ = ["SlotReader", "SlotRef", "Slots", "lane_update", "make_slots"]
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class SlotRef:
-    """Where a forwarded update lies: ``count`` values of ``dtype`` in a segment."""
+    """Where a forwarded update lies: ``count`` values of ``dtype`` in a segment,
+    from byte ``offset``."""
 
     handle: SegmentHandle
     dtype: str
     count: int
+    offset: int = 0
+
+
+def lane_update(
+    inputs: Segment, clock: int, dtype: np.dtype, count: int
+) -> tuple[np.ndarray, SlotRef] | None:
+    """The update of ``clock`` a worker wrote into its input segment (``count``
+    values of ``dtype``) and where it lies; ``None`` when the segment is not the
+    size of one update or of two (the workers' models differ). A segment of two
+    updates holds odd clocks in its second half."""
+    nbytes = count * dtype.itemsize
+    if inputs.handle.nbytes not in (nbytes, 2 * nbytes):
+        return None
+    offset = nbytes * (clock % 2) if inputs.handle.nbytes == 2 * nbytes else 0
+    ref = SlotRef(inputs.handle, dtype.name, count, offset)
+    return inputs.view(offset, dtype, count), ref
 
 
 class Slots:
@@ -74,7 +101,7 @@ class Slots:
                 return None
         used[0] = seq
         self._next[model] = (i + 1) % len(ring)
-        dtype = str(values.dtype).removeprefix("torch.")
+        dtype = str(values.dtype).removeprefix("torch.")  # numpy's name for it too
         view = segment.view(0, np.dtype(dtype), values.numel())
         as_torch(view).copy_(values.reshape(-1))
         return SlotRef(segment.handle, dtype, values.numel())
@@ -125,14 +152,23 @@ def make_slots(same_node: bool, num_workers: int) -> Slots | None:
 
 
 class SlotReader:
-    """The replica's side: maps the primary's segments once, reads slots."""
+    """The replica's side: maps the primary's and the workers' segments once, reads
+    the updates in them."""
 
     def __init__(self) -> None:
         self._segments: dict[SegmentHandle, Segment] = {}
 
+    def open(self, handle: SegmentHandle) -> None:
+        """Maps a segment now, while its creator surely lives (a worker's input, as
+        it attaches): a worker that dies later leaves its mapping readable here.
+
+        Raises:
+            OSError: The creator is gone already.
+        """
+        if handle not in self._segments:
+            self._segments[handle] = Segment.open(handle)
+
     def values(self, ref: SlotRef) -> np.ndarray:
-        """The update in ``ref``'s slot (no copy: read before it is confirmed)."""
-        segment = self._segments.get(ref.handle)
-        if segment is None:
-            segment = self._segments[ref.handle] = Segment.open(ref.handle)
-        return segment.view(0, np.dtype(ref.dtype), ref.count)
+        """The update in ``ref``'s place (no copy: read before it is confirmed)."""
+        self.open(ref.handle)
+        return self._segments[ref.handle].view(ref.offset, np.dtype(ref.dtype), ref.count)

@@ -34,6 +34,7 @@ from ray_ps_plugin._codec import Codec, as_torch
 from ray_ps_plugin._dtypes import model_dtype, storage
 from ray_ps_plugin._errors import ShardProtocolError, ShardTimeoutError
 from ray_ps_plugin._param.replica import ReplayOrder, ReplicaLink, Replicated
+from ray_ps_plugin._param.replica_slots import SlotRef, lane_update
 from ray_ps_plugin._param.reply import Reply
 from ray_ps_plugin._param.reseed import Reseeding
 from ray_ps_plugin._param.state import ParamState, Waiting, export_models, import_model
@@ -41,7 +42,7 @@ from ray_ps_plugin._shard import resized
 from ray_ps_plugin._shm import Segment, SegmentHandle
 from ray_ps_plugin._tables.host import TableHost
 from ray_ps_plugin._types import Compression
-from ray_ps_plugin._wire.frames import PARAM_LOCAL, Frame
+from ray_ps_plugin._wire.frames import PARAM_LOCAL, REPLAY, Frame
 
 __all__ = ["ParamShard", "Reply"]
 
@@ -98,6 +99,7 @@ class ParamShard(TableHost, Replicated, Reseeding):
         self._check(model, rank)
         outputs = (Segment.create(nbytes), Segment.create(nbytes))
         self._model(model).lanes[rank] = (Segment.open(inputs), outputs)
+        self._link.map_inputs(inputs)  # the replica may read updates there
         return outputs[0].handle, outputs[1].handle
 
     async def init(self, model: int, params: np.ndarray, clock: int = 0) -> bool:
@@ -132,6 +134,8 @@ class ParamShard(TableHost, Replicated, Reseeding):
     async def _on_frame(self, frame: Frame, payload: np.ndarray) -> np.ndarray:
         """A worker's notice on the direct path that its update of clock ``step``
         lies in shared memory (else a table's frame)."""
+        if frame.kind == REPLAY:
+            return await self.replay_frame(frame, payload)
         if frame.kind != PARAM_LOCAL:
             return await super()._on_frame(frame, payload)
         (slot,) = payload.view("<i8").tolist()
@@ -145,15 +149,15 @@ class ParamShard(TableHost, Replicated, Reseeding):
         with self._queued():
             params = await self._wait_initialised(state, model, rank)
             inputs = self._lane(state, model, rank)[0]
-            nbytes = params.numel() * storage(state.dtype).itemsize
-            if inputs.handle.nbytes != nbytes:
+            found = lane_update(inputs, clock, storage(state.dtype), params.numel())
+            if found is None:
                 raise ShardProtocolError(
                     f"shard {self.shard_index}: model {model}: rank {rank} attached a "
-                    f"{inputs.handle.nbytes}-byte slice for {nbytes} bytes of parameters; "
-                    "the workers' models differ."
+                    f"{inputs.handle.nbytes}-byte slice for {params.numel()} parameters "
+                    f"of {state.dtype}; the workers' models differ."
                 )
-            delta = inputs.view(0, storage(state.dtype), params.numel())
-            return await self._push_pull(state, model, rank, clock, delta, delta.nbytes, slot)
+            delta, ref = found
+            return await self._push_pull(state, model, rank, clock, delta, delta.nbytes, slot, ref)
 
     async def pull_local(self, model: int, rank: int, clock: int, slot: int) -> Reply:
         """:meth:`pull` for a worker attached through shared memory."""
@@ -254,15 +258,6 @@ class ParamShard(TableHost, Replicated, Reseeding):
             )
         self._tables.import_(exported["tables"], bounded)
 
-    async def add_replica(self, replica: Any, same_node: bool = False) -> None:
-        """Makes ``replica`` (a fresh shard of this slice, on this node if
-        ``same_node``) hold this shard's state: a snapshot now, then every later
-        change, in order (no ``await`` between the snapshot and its forwarding, so
-        no change falls in between)."""
-        self._link.attach(replica, same_node)
-        self._link.forward("restore", self.export_state())
-        await self._link.confirm()
-
     async def restore(self, exported: dict[str, Any]) -> None:
         """Takes a live primary's snapshot (a new replica's first change): as
         :meth:`import_state`, keeping which workers finished or catch up."""
@@ -280,9 +275,10 @@ class ParamShard(TableHost, Replicated, Reseeding):
         delta: np.ndarray | torch.Tensor,
         nbytes: int,
         slot: int | None = None,
+        shared: SlotRef | None = None,
     ) -> Reply:
         before = self._link.latest((model, rank))
-        self._take(state, model, rank, clock, delta, nbytes)
+        self._take(state, model, rank, clock, delta, nbytes, shared)
         # Confirmed one push late (see _param/replica.py): the replica holds this
         # worker's previous update; this one the worker keeps until the next answer.
         await self._link.confirm(through=before)
@@ -303,9 +299,10 @@ class ParamShard(TableHost, Replicated, Reseeding):
         clock: int,
         delta: np.ndarray | torch.Tensor,
         nbytes: int,
+        shared: SlotRef | None = None,
     ) -> None:
         """Applies ``rank``'s update of ``clock`` once (a repeat is counted, not
-        applied) and forwards it to the replica.
+        applied) and forwards it to the replica (``shared``: where it lies).
 
         Raises:
             ShardProtocolError: Updates before ``clock`` are missing, or the update
@@ -327,7 +324,7 @@ class ParamShard(TableHost, Replicated, Reseeding):
         state.clocks[rank] = clock
         self._apply(model, state, rank, update)
         # Forwarded before any await: the replica replays in this order.
-        self._link.forward_update(model, rank, clock, update.to(state.params.dtype))
+        self._link.forward_update(model, rank, clock, update.to(state.params.dtype), shared)
         self._catch_up(state, rank)
         self._serve_waiting(model, state)
         self._pushes += 1

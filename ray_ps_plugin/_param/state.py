@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ray_ps_plugin._param.reply import Reply
-from ray_ps_plugin._shm import Segment
+from ray_ps_plugin._shm import Segment, SegmentHandle
 
 __all__ = ["ParamState", "Waiting", "export_models", "import_model"]
 
@@ -55,6 +55,10 @@ class ParamState:
             c for r, c in enumerate(self.clocks) if r not in self.finished and r not in self.free
         ]
         return min(active) if active else max(self.clocks)
+
+    def input_handles(self) -> list[SegmentHandle]:
+        """The input segment of each worker attached through shared memory."""
+        return [inputs.handle for inputs, _ in self.lanes.values()]
 
     def let_through(self) -> list[Waiting]:
         """Takes out the held-back reads the clocks now let through."""

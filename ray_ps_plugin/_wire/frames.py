@@ -12,9 +12,11 @@ in their shared-memory segment (the payload lists ``(key, numel, owner)`` of eac
 ``int64`` triples, owner ``-1`` for the shard itself; ``key`` is the first chunk's;
 the answer carries no data), or a sharded table's *pull* or *push*
 (``ray_ps_plugin._tables.frames``; ``step`` is then the pusher's sequence number and
-``key`` :data:`TABLE_KEY`). As a Ray call, each such notice and its reply sit at
-the ends of every step's transfer, where a loaded machine pays more for them than
-for a frame on a socket already open. A push is matched to its answer by
+``key`` :data:`TABLE_KEY`), or a primary shard's *replay* of a change for its replica
+(``step`` its number, ``key`` :data:`REPLAY_KEY`, the payload the pickled call).
+As a Ray call, each such notice and its reply sit at the ends of every step's
+transfer, where a loaded machine pays more for them than for a frame on a socket
+already open. A push is matched to its answer by
 ``(model, step, key)``, unique per connection because a source pushes each chunk of
 a step once.
 
@@ -46,6 +48,8 @@ __all__ = [
     "PARAM_KEY",
     "PARAM_LOCAL",
     "PUSH",
+    "REPLAY",
+    "REPLAY_KEY",
     "REQUESTS",
     "ROWS",
     "ROWS_KEY",
@@ -69,12 +73,16 @@ _MAGIC = b"PSW1"
 #: Size of a frame's header.
 HEADER_BYTES = _HEADER.size
 PUSH, ANSWER, ERROR, LOCAL, ROWS, TABLE_PULL, TABLE_PUSH, PARAM_LOCAL, TABLE_WAIT = range(9)
+REPLAY = 9  # a primary shard's change for its replica
 #: The frames a pusher sends (the others are answers).
-REQUESTS = (PUSH, LOCAL, ROWS, TABLE_PULL, TABLE_PUSH, PARAM_LOCAL, TABLE_WAIT)
+REQUESTS = (PUSH, LOCAL, ROWS, TABLE_PULL, TABLE_PUSH, PARAM_LOCAL, TABLE_WAIT, REPLAY)
 #: The key of a ``ROWS`` frame: one per model, step and shard (chunk keys are >= 0).
 ROWS_KEY = -1
 #: The key of a table frame, whose ``step`` is a number the pusher never repeats.
 TABLE_KEY = -2
+#: The key of a ``REPLAY`` frame (a primary shard's change for its replica, number
+#: ``step``: see :mod:`ray_ps_plugin._param.replica`).
+REPLAY_KEY = -3
 #: The key of a ``PARAM_LOCAL`` frame (async/ssp: a worker's notice that its update
 #: of clock ``step`` lies in shared memory); far below any relayed rows' key.
 PARAM_KEY = -(1 << 62)
@@ -109,7 +117,7 @@ class Frame:
         kind: ``PUSH``, ``ANSWER``, ``ERROR``, ``LOCAL``, ``ROWS`` (the touched
             rows of a model's sparse tables, packed by :func:`ray_ps_plugin._rows.pack`),
             ``TABLE_PULL`` or ``TABLE_PUSH`` (a sharded table's rows, see
-            :mod:`ray_ps_plugin._tables.frames`).
+            :mod:`ray_ps_plugin._tables.frames`), ``REPLAY`` (a change for a replica).
         dtype: The model's dtype (an entry of :data:`DTYPES`).
         model: The prepared model's id.
         step: The synchronisation round.

@@ -57,12 +57,20 @@ class WireServer:
         if len(token) != TOKEN_BYTES:
             raise ValueError(f"the token must be {TOKEN_BYTES} bytes")
         self._handler = handler
-        self._token = token
+        self._tokens = [token]
         self._token_timeout_s = token_timeout_s
         self._listener: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Future[None]] = set()
         self._conns: set[socket.socket] = set()
+
+    def allow(self, token: bytes) -> None:
+        """Accepts connections that start with ``token`` too (a primary shard's own
+        token for its replica: see :mod:`ray_ps_plugin._param.replica`)."""
+        if len(token) != TOKEN_BYTES:
+            raise ValueError(f"the token must be {TOKEN_BYTES} bytes")
+        if token not in self._tokens:
+            self._tokens.append(token)
 
     async def start(self, host: str) -> tuple[str, int]:
         """Listens on ``host`` (the node's address) on a free port; returns both."""
@@ -100,7 +108,7 @@ class WireServer:
             presented = bytearray(TOKEN_BYTES)
             conn.settimeout(self._token_timeout_s)
             recv_exact(conn, memoryview(presented))
-            if not hmac.compare_digest(bytes(presented), self._token):
+            if not any(hmac.compare_digest(bytes(presented), t) for t in self._tokens):
                 logger.warning("closed a data-path connection without the run's token")
                 return
             conn.settimeout(None)

@@ -45,6 +45,8 @@ from ray_ps_plugin._wire.frames import (
     PARAM_KEY,
     PARAM_LOCAL,
     PUSH,
+    REPLAY,
+    REPLAY_KEY,
     ROWS,
     ROWS_KEY,
     TABLE_KEY,
@@ -328,6 +330,14 @@ class WireStreams:
     ) -> concurrent.futures.Future[np.ndarray]:
         step = next(self._table_frames)
         frame = Frame(kind, "float32", model, step, TABLE_KEY, source, payload.nbytes)
+        return self._stream(shard).push(frame, payload)
+
+    def replay(
+        self, shard: int, seq: int, source: int, payload: np.ndarray
+    ) -> concurrent.futures.Future[np.ndarray]:
+        """Sends a primary's change number ``seq`` (``payload``: the pickled call) to
+        its replica, listening as ``shard``; the future completes once replayed."""
+        frame = Frame(REPLAY, "float32", 0, seq, REPLAY_KEY, source, payload.nbytes)
         return self._stream(shard).push(frame, payload)
 
     def close(self, timeout_s: float = 5.0) -> None:

@@ -254,6 +254,7 @@ class Settings:
         diloco_overlap=False,
         sparse_optimizer=None,
         replace_lost_workers=False,
+        shard_replicas=0,
     ):
         self.mode, self.staleness, self.chunk_bytes = mode, staleness, chunk_bytes
         self.ps_timeout_s, self.nan_policy = ps_timeout_s, nan_policy
@@ -264,6 +265,7 @@ class Settings:
         self.diloco_rounds, self.diloco_overlap = diloco_rounds, diloco_overlap
         self.sparse_optimizer = sparse_optimizer
         self.replace_lost_workers = replace_lost_workers
+        self.shard_replicas = shard_replicas
 
 
 def setup_for(

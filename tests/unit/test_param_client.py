@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from ray_ps_plugin._codec import as_torch
 from ray_ps_plugin._errors import PSError, PSTimeoutError
 from ray_ps_plugin._param.client import ParamClient
 from ray_ps_plugin._param.flat import FlatParams
@@ -44,16 +45,19 @@ def _models(world, seed=0):
     return models
 
 
-def _setup(loop, world, shards, staleness, timeout_s=5.0, shared=False, models=None):
+def _setup(loop, world, shards, staleness, timeout_s=5.0, shared=False, models=None, replicas=0):
     """Real shards on a fake transport; ``shared``: every worker uses shared memory
-    (``"frames"``: with its notices as frames on the direct path)."""
+    (``"frames"``: with its notices as frames on the direct path); ``replicas``:
+    ``PSConfig.shard_replicas`` (inputs of two deltas)."""
     servers = [LoggedParamShard(i, world, staleness, timeout_s) for i in range(shards)]
     transport = FakeTransport(loop, servers)
     if shared == "frames":
         transport.direct = FakeDirect(loop, servers)
     models = models or _models(world)
     mode = "async" if staleness is None else "ssp"
-    settings = Settings(mode=mode, staleness=staleness or 0, ps_timeout_s=timeout_s)
+    settings = Settings(
+        mode=mode, staleness=staleness or 0, ps_timeout_s=timeout_s, shard_replicas=replicas
+    )
     clients = started_clients(ParamClient, models, shards, settings, transport, bool(shared))
     return servers, transport, models, clients
 
@@ -242,12 +246,14 @@ def test_constant_gradients_land_exactly_n_times_w_deltas(loop, shared):
 
 @pytest.mark.parametrize("shared", [False, True], ids=["object-store", "shared-memory"])
 def test_a_worker_holds_its_last_answered_update_for_each_replicated_shard(loop, shared):
-    """With a replica of shard 0 (none of shard 1), each answered push leaves a
-    copy of exactly what shard 0 applied, to be sent to its successor: the update
-    of the last clock once flushed, in the dtype shards compute in."""
+    """With a replica of shard 0 (none of shard 1), each answered push leaves
+    exactly what shard 0 applied, to be sent to its successor: the update of the
+    last clock once flushed, in the dtype shards compute in. Through shared memory
+    it is the half of the worker's two-delta input that clock wrote (no copy);
+    otherwise a copy."""
     world, steps, lr = 2, 5, 0.125
     servers, transport, models, clients = _setup(
-        loop, world, shards=2, staleness=None, shared=shared
+        loop, world, shards=2, staleness=None, shared=shared, replicas=1
     )
     transport.replica = lambda shard: "a replica" if shard == 0 else None
     opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in models]
@@ -260,6 +266,40 @@ def test_a_worker_holds_its_last_answered_update_for_each_replicated_shard(loop,
     assert values.shape == servers[0].export_state()["models"][0]["params"].shape
     np.testing.assert_allclose(values, -lr, atol=1e-6)  # gradient 1: the step's change
     assert {s for s, _ in transport.held} == {0}
+    client = clients[rank]
+    if shared:  # the view of the last clock's half: bytes [n, 2n) of the input for odd
+        inputs = client._lanes[0].inputs
+        half = inputs.view(values.nbytes * (clock % 2), np.float32, values.size)
+        assert np.shares_memory(values, half) and inputs.handle.nbytes == 2 * values.nbytes
+    else:
+        assert not np.shares_memory(values, client._flat.delta_parts[0].numpy())
+
+
+def test_a_two_delta_input_alternates_halves_by_clock_and_holds_only_in_fp32():
+    """``use_half`` picks the half a clock writes; ``held_part`` is the half itself
+    for fp32, a widened copy for bf16 (the shard computes in fp32), and a copy for
+    an input that holds one delta."""
+    from ray_ps_plugin._shm import Segment
+
+    for dtype, two, view in [
+        (torch.float32, True, True),
+        (torch.bfloat16, True, False),
+        (torch.float32, False, False),
+    ]:
+        params = [torch.zeros(6, dtype=dtype)]
+        nbytes = 6 * params[0].element_size()
+        seg = Segment.create(nbytes * (2 if two else 1))
+        flat = FlatParams(params, [0, 6], {0: seg})
+        for clock, value in [(1, 1.0), (2, 2.0)]:
+            flat.use_half(clock)
+            params[0].fill_(value)
+            flat.take_delta(check=False)
+            params[0].zero_()
+        odd = seg.view(nbytes if two else 0, flat.np_dtype, 6)
+        assert as_torch(odd).float().tolist() == [1.0 if two else 2.0] * 6
+        held = flat.held_part(0)
+        assert held.dtype == np.float32 and held.tolist() == [2.0] * 6
+        assert np.shares_memory(held, seg.bytes) == view
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["object-store", "shared-memory"])

@@ -453,3 +453,143 @@ def test_segments_made_before_the_host_runs_out_are_closed(monkeypatch):
     assert slots.put(0, torch.ones(5), 1) is None
     assert len(made) == 1
     assert made[0]._fd is None and made[0].bytes.size == 0
+
+
+def test_a_replica_on_the_node_replays_updates_from_the_workers_two_delta_inputs(monkeypatch):
+    """Workers attached through inputs of two deltas (odd clocks in the second
+    half): the primary forwards only where each update lies (no slot copy), the
+    replica maps each input as its worker attaches and ends bit-identical, although
+    every worker writes clock ``k + 2`` into the half of ``k`` as soon as the
+    answer to ``k + 1`` comes (the replica's reads come late here)."""
+    from ray_ps_plugin._param import replica as replica_module
+    from ray_ps_plugin._param.replica_slots import Slots
+    from ray_ps_plugin._shm import Segment
+
+    def no_copy(self, *args):
+        raise AssertionError("an update in a worker's input was copied into a slot")
+
+    monkeypatch.setattr(Slots, "put", no_copy)
+    forwarded = []
+    original = replica_module.ReplicaLink.forward
+
+    def spy(self, method, *args, key=None):
+        forwarded.append((method, args[-1]))
+        return original(self, method, *args, key=key)
+
+    monkeypatch.setattr(replica_module.ReplicaLink, "forward", spy)
+    n = 1000
+    inputs = [Segment.create(2 * 4 * n) for _ in range(2)]
+
+    async def run():
+        primary, replica, _ = _pair(same_node=True, jitter_s=0.004)
+        for rank, seg in enumerate(inputs):
+            primary.attach(0, rank, seg.handle, 0, 4 * n)
+        assert await primary.init(0, np.zeros(n, np.float32))
+        rng = np.random.default_rng(0)
+
+        async def worker(rank):
+            for clock in range(1, 41):
+                half = inputs[rank].view(4 * n * (clock % 2), np.float32, n)
+                half[:] = rng.standard_normal(n).astype(np.float32)
+                await primary.push_local(0, rank, clock, clock % 2)
+
+        await asyncio.gather(worker(0), worker(1))
+        await asyncio.gather(primary.finish(0, 0), primary.finish(0, 1))
+        return primary, replica
+
+    primary, replica = asyncio.run(run())
+    p, r = primary.export_state()["models"][0], replica.export_state()["models"][0]
+    assert p["clocks"] == r["clocks"] == [40, 40]
+    assert np.array_equal(p["params"], r["params"])
+    methods = [m for m, _ in forwarded]
+    assert methods[:2] == ["map_input", "map_input"] and methods.count("mirror_shared") == 80
+    refs = [ref for m, ref in forwarded if m == "mirror_shared"]
+    assert {ref.handle for ref in refs} == {seg.handle for seg in inputs}
+    assert {ref.offset for ref in refs} == {0, 4 * n}
+    assert set(replica._slot_reader._segments) == {seg.handle for seg in inputs}
+
+
+def test_an_input_of_another_size_is_refused_naming_the_rank():
+    """A worker whose input holds neither one slice nor two: its models differ."""
+    from ray_ps_plugin._errors import ShardProtocolError
+    from ray_ps_plugin._shm import Segment
+
+    seg = Segment.create(3 * 4 * 10)
+
+    async def run():
+        primary, _, _ = _pair(jitter_s=0.0)
+        primary.attach(0, 1, seg.handle, 0, 4 * 10)
+        await primary.init(0, np.zeros(10, np.float32))
+        await primary.push_local(0, 1, 1, 1)
+
+    with pytest.raises(ShardProtocolError, match="rank 1 attached a 120-byte slice"):
+        asyncio.run(run())
+
+
+class _LoopbackReplicaHandle(FakeReplicaHandle):
+    """A fake handle whose ``open_wire`` listens on the loopback address (a real
+    replica listens on its node's address in Ray)."""
+
+    def __getattr__(self, name):
+        method = super().__getattr__(name)
+        if name != "open_wire":
+            return method
+        target = self.target
+
+        class _Open:
+            def remote(self, token):
+                return _FakeRef(asyncio.ensure_future(target.open_wire(token, "127.0.0.1")))
+
+        return _Open()
+
+
+def test_changes_go_to_the_replica_as_frames_once_the_direct_path_is_open(monkeypatch):
+    """With ``direct``, the primary opens a connection to its replica with a token
+    of its own and sends each change as a frame (the first ones, sent while it
+    opens, as calls): the replica ends bit-identical, it accepts the primary's
+    token beside the run's, and dropping the replica closes the connection."""
+    from ray_ps_plugin._param import replica as replica_module
+    from ray_ps_plugin._shm import Segment
+
+    framed = []
+    original = replica_module.Replicated.replay_frame
+
+    async def spy(self, frame, payload):
+        framed.append(frame.step)
+        return await original(self, frame, payload)
+
+    monkeypatch.setattr(replica_module.Replicated, "replay_frame", spy)
+    n = 1000
+    inputs = [Segment.create(2 * 4 * n) for _ in range(2)]
+
+    async def run():
+        primary = ParamShard(0, 2, None, 5.0)
+        replica = ParamShard(0, 2, None, 5.0)
+        await replica.open_wire(bytes(32), "127.0.0.1")  # the run's token, say
+        primary.set_replica(_LoopbackReplicaHandle(replica, 0.002), True, direct=True)
+        for rank, seg in enumerate(inputs):
+            primary.attach(0, rank, seg.handle, 0, 4 * n)
+        assert await primary.init(0, np.zeros(n, np.float32))
+        rng = np.random.default_rng(0)
+
+        async def worker(rank):
+            for clock in range(1, 41):
+                half = inputs[rank].view(4 * n * (clock % 2), np.float32, n)
+                half[:] = rng.standard_normal(n).astype(np.float32)
+                await primary.push_local(0, rank, clock, clock % 2)
+                await asyncio.sleep(0.001)
+
+        await asyncio.gather(worker(0), worker(1))
+        await asyncio.gather(primary.finish(0, 0), primary.finish(0, 1))
+        channel = primary._link._channel
+        assert channel is not None and channel._streams is not None
+        primary._link._drop(RuntimeError("test"))
+        assert channel._streams is None and primary._link._channel is None
+        return primary, replica
+
+    primary, replica = asyncio.run(run())
+    p, r = primary.export_state()["models"][0], replica.export_state()["models"][0]
+    assert p["clocks"] == r["clocks"] == [40, 40]
+    assert np.array_equal(p["params"], r["params"])
+    assert len(framed) > 60 and framed == sorted(framed), framed
+    assert replica._wire_server._tokens[0] == bytes(32) and len(replica._wire_server._tokens) == 2
