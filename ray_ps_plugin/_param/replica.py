@@ -46,6 +46,8 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
+import os
+import sys
 from collections.abc import Hashable
 from typing import Any
 
@@ -243,20 +245,75 @@ class ReplicaLink:
             logger.debug("shard %d: killing its replica", self.shard_index, exc_info=True)
 
 
+#: How many nice levels below the workers beside it a replica replays (Linux; 19
+#: is the lowest priority): its work has a step of slack (confirmed one push late),
+#: so it yields the cores to training and fills the time they would idle.
+REPLICA_NICE = 10
+
+
+def _in_actor() -> bool:
+    import ray
+
+    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+
+
+class _Background:
+    """The replica's event-loop thread at background CPU priority until promoted.
+
+    Linux gives each thread its own nice level (``setpriority`` on ``PRIO_PROCESS``
+    0 is the calling thread), and threads it starts later inherit it: the replays
+    and the connection that carries them, not Ray's own threads.
+    """
+
+    def __init__(self, shard_index: int, enabled: bool | None = None) -> None:
+        self._shard_index = shard_index
+        self._enabled = enabled  # None: in a Ray actor only (not a test's thread)
+        self._before: int | None = None
+
+    def lower(self) -> None:
+        if self._enabled is None:
+            self._enabled = _in_actor()
+        if self._before is not None or not self._enabled or not sys.platform.startswith("linux"):
+            return
+        try:
+            self._before = os.getpriority(os.PRIO_PROCESS, 0)
+            os.setpriority(os.PRIO_PROCESS, 0, min(19, self._before + REPLICA_NICE))
+        except OSError as e:
+            logger.debug("shard %d: replica at normal priority (%s)", self._shard_index, e)
+
+    def restore(self) -> None:
+        before, self._before = self._before, None
+        if before is None:
+            return
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, before)
+        except OSError as e:  # raising a priority needs CAP_SYS_NICE (or RLIMIT_NICE)
+            logger.warning(
+                "shard %d: the promoted replica keeps its background CPU priority (nice +%d): %s.",
+                self._shard_index,
+                REPLICA_NICE,
+                e,
+            )
+
+
 class ReplayOrder:
-    """The replica's side: lets forwarded changes through in the primary's order.
+    """The replica's side: lets forwarded changes through in the primary's order,
+    at background CPU priority until promoted.
 
     Args:
         shard_index: The shard's index, for messages.
         timeout_s: How long a change waits for the ones numbered before it.
+        background: Whether replays lower the thread's priority (``None``: only in
+            a Ray actor).
     """
 
-    def __init__(self, shard_index: int, timeout_s: float) -> None:
+    def __init__(self, shard_index: int, timeout_s: float, background: bool | None = None) -> None:
         self.shard_index = shard_index
         self.timeout_s = timeout_s
         self.promoted = False
         self._applied = 0
         self._turn = asyncio.Condition()
+        self._background = _Background(shard_index, background)
 
     async def turn(self, seq: int) -> bool:
         """Waits until every change numbered before ``seq`` is replayed; False when
@@ -266,6 +323,8 @@ class ReplayOrder:
         Raises:
             TimeoutError: An earlier change did not arrive within ``timeout_s``.
         """
+        if not self.promoted:
+            self._background.lower()
         async with self._turn:
             await asyncio.wait_for(
                 self._turn.wait_for(lambda: self.promoted or self._applied == seq - 1),
@@ -286,6 +345,7 @@ class ReplayOrder:
             already, self.promoted = self.promoted, True
             self._turn.notify_all()
         if not already:
+            self._background.restore()
             logger.warning(
                 "shard %d: its primary is lost; its replica serves the slice now.",
                 self.shard_index,

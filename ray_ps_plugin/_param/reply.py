@@ -46,9 +46,10 @@ class InFlight:
     """A worker's push (one call per shard) waiting for its replies.
 
     Attributes:
-        held: What each shard with a replica applies of this push (a copy):
-            once answered, kept until the next answer confirms the replica holds
-            it (see :mod:`ray_ps_plugin._param.replica`).
+        held: What each shard with a replica applies of this push (its half of
+            a two-delta shared-memory input, else a copy): once answered, kept
+            until the next answer confirms the replica holds it (see
+            :mod:`ray_ps_plugin._param.replica`).
     """
 
     clock: int

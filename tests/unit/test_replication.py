@@ -593,3 +593,43 @@ def test_changes_go_to_the_replica_as_frames_once_the_direct_path_is_open(monkey
     assert np.array_equal(p["params"], r["params"])
     assert len(framed) > 60 and framed == sorted(framed), framed
     assert replica._wire_server._tokens[0] == bytes(32) and len(replica._wire_server._tokens) == 2
+
+
+def test_a_replica_replays_at_background_priority_until_promoted(caplog):
+    """The first replay lowers the replaying thread's nice level by REPLICA_NICE;
+    promotion raises it back (or, without the right to, says so). In a thread of
+    its own: the test's thread keeps its priority. Off outside a Ray actor."""
+    import os
+    import threading
+
+    from ray_ps_plugin._param.replica import REPLICA_NICE, ReplayOrder
+
+    seen = {}
+
+    def run():
+        order = ReplayOrder(0, 5.0, background=True)
+        seen["before"] = os.getpriority(os.PRIO_PROCESS, 0)
+
+        async def go():
+            assert await order.turn(1)
+            await order.done(1)
+            seen["replaying"] = os.getpriority(os.PRIO_PROCESS, 0)
+            await order.promote()
+            seen["promoted"] = os.getpriority(os.PRIO_PROCESS, 0)
+
+        asyncio.run(go())
+
+    main_before = os.getpriority(os.PRIO_PROCESS, 0)
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(30)
+    assert seen["replaying"] == min(19, seen["before"] + REPLICA_NICE)
+    assert seen["promoted"] == seen["before"] or "keeps its background" in caplog.text
+    assert os.getpriority(os.PRIO_PROCESS, 0) == main_before
+
+    async def outside_an_actor():
+        order = ReplayOrder(0, 5.0)  # background=None: only in a Ray actor
+        assert await order.turn(1)
+        return os.getpriority(os.PRIO_PROCESS, 0)
+
+    assert asyncio.run(outside_an_actor()) == main_before
