@@ -455,6 +455,26 @@ def test_segments_made_before_the_host_runs_out_are_closed(monkeypatch):
     assert made[0]._fd is None and made[0].bytes.size == 0
 
 
+async def _two_workers_through_two_delta_inputs(primary, inputs, n, pause_s=0.0):
+    """Ranks 0 and 1 attach ``inputs`` (two deltas of ``n`` fp32 each), rank 0
+    seeds zeros, each pushes clocks 1..40 through shared memory (writing a clock's
+    half as soon as its answer to the clock before came), then both finish."""
+    for rank, seg in enumerate(inputs):
+        primary.attach(0, rank, seg.handle, 0, 4 * n)
+    assert await primary.init(0, np.zeros(n, np.float32))
+    rng = np.random.default_rng(0)
+
+    async def worker(rank):
+        for clock in range(1, 41):
+            half = inputs[rank].view(4 * n * (clock % 2), np.float32, n)
+            half[:] = rng.standard_normal(n).astype(np.float32)
+            await primary.push_local(0, rank, clock, clock % 2)
+            await asyncio.sleep(pause_s)
+
+    await asyncio.gather(worker(0), worker(1))
+    await asyncio.gather(primary.finish(0, 0), primary.finish(0, 1))
+
+
 def test_a_replica_on_the_node_replays_updates_from_the_workers_two_delta_inputs(monkeypatch):
     """Workers attached through inputs of two deltas (odd clocks in the second
     half): the primary forwards only where each update lies (no slot copy), the
@@ -482,19 +502,7 @@ def test_a_replica_on_the_node_replays_updates_from_the_workers_two_delta_inputs
 
     async def run():
         primary, replica, _ = _pair(same_node=True, jitter_s=0.004)
-        for rank, seg in enumerate(inputs):
-            primary.attach(0, rank, seg.handle, 0, 4 * n)
-        assert await primary.init(0, np.zeros(n, np.float32))
-        rng = np.random.default_rng(0)
-
-        async def worker(rank):
-            for clock in range(1, 41):
-                half = inputs[rank].view(4 * n * (clock % 2), np.float32, n)
-                half[:] = rng.standard_normal(n).astype(np.float32)
-                await primary.push_local(0, rank, clock, clock % 2)
-
-        await asyncio.gather(worker(0), worker(1))
-        await asyncio.gather(primary.finish(0, 0), primary.finish(0, 1))
+        await _two_workers_through_two_delta_inputs(primary, inputs, n)
         return primary, replica
 
     primary, replica = asyncio.run(run())
@@ -567,20 +575,7 @@ def test_changes_go_to_the_replica_as_frames_once_the_direct_path_is_open(monkey
         replica = ParamShard(0, 2, None, 5.0)
         await replica.open_wire(bytes(32), "127.0.0.1")  # the run's token, say
         primary.set_replica(_LoopbackReplicaHandle(replica, 0.002), True, direct=True)
-        for rank, seg in enumerate(inputs):
-            primary.attach(0, rank, seg.handle, 0, 4 * n)
-        assert await primary.init(0, np.zeros(n, np.float32))
-        rng = np.random.default_rng(0)
-
-        async def worker(rank):
-            for clock in range(1, 41):
-                half = inputs[rank].view(4 * n * (clock % 2), np.float32, n)
-                half[:] = rng.standard_normal(n).astype(np.float32)
-                await primary.push_local(0, rank, clock, clock % 2)
-                await asyncio.sleep(0.001)
-
-        await asyncio.gather(worker(0), worker(1))
-        await asyncio.gather(primary.finish(0, 0), primary.finish(0, 1))
+        await _two_workers_through_two_delta_inputs(primary, inputs, n, pause_s=0.001)
         channel = primary._link._channel
         assert channel is not None and channel._streams is not None
         primary._link._drop(RuntimeError("test"))
