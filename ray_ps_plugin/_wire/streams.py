@@ -4,15 +4,16 @@ Through Ray's object store every cross-node chunk is an object that is created,
 sealed, located, pulled by the object managers and read back: several round trips
 and copies per chunk, which cost more than the bytes on a 1 Gbit/s link. Here a
 chunk is one frame (:mod:`ray_ps_plugin._wire.frames`) on a long-lived TCP
-connection from the pusher (a worker, or a node's relay shard) to the owner shard: a
-fixed header, then the chunk's bytes, sent straight from the gradient buffer
+connection from the pusher (a worker, a node's relay shard, or a primary shard
+sending its replica changes) to the owner shard: a fixed header, then the chunk's
+bytes, sent straight from the gradient buffer
 (``sendall`` on a memoryview) and received straight into a fresh array
 (``recv_into``). The answer — the sum — comes back the same way on the same
 connection. Both ends move bytes with blocking sockets on threads of their own,
 which hold no GIL while bytes move: a shard accepts in its event loop and reads and
 answers each connection on two threads (:class:`WireServer`), handing each complete
-push to the event loop; pushers — workers, and relay shards — do the same from their
-side (:class:`WireStreams`).
+push to the event loop; pushers — workers, relay shards, primaries — do the same
+from their side (:class:`WireStreams`).
 
 Ray still starts, places and supervises every process: the shard opens its
 listening socket on its node's address when the backend asks
@@ -188,7 +189,7 @@ class _Stream:
 
 
 class WireStreams:
-    """Pushes on the direct path, from any thread: a worker's, or a relay shard's.
+    """Pushes on the direct path, from any thread: a worker's, a relay's or a primary's.
 
     One connection per shard pushed to, opened on first use, each with a sender and
     a receiver thread (see :class:`_Stream`). Pushes return
