@@ -73,9 +73,11 @@ class FlatParams:
         ]
         #: Where each shard's delta is taken now (see :meth:`use_half`).
         self.delta_parts = self._halves[0]
-        # Shards whose delta stays in place until it is written again two clocks on.
-        nbytes = [(b - a) * self.base.element_size() for a, b in self.slices()]
-        self._two = {s for s, seg in inputs.items() if seg.handle.nbytes >= 2 * nbytes[s]}
+        # Shards whose delta stays in place until it is written again two clocks on
+        # (their halves differ: segment_tensor found room for two).
+        self._two = {
+            s for s in inputs if self._halves[0][s].data_ptr() != self._halves[1][s].data_ptr()
+        }
         self.pieces = pieces([p.numel() for p in self.params], bounds)
         # Each parameter's first element in the flat vector (also for empty ones,
         # which have no piece).

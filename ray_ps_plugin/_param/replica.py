@@ -56,7 +56,13 @@ import torch
 
 from ray_ps_plugin._errors import ShardProtocolError
 from ray_ps_plugin._param.replay_channel import ReplayChannel, decode_call
-from ray_ps_plugin._param.replica_slots import SlotReader, SlotRef, Slots, make_slots
+from ray_ps_plugin._param.replica_slots import (
+    SlotReader,
+    SlotRef,
+    Slots,
+    dtype_name,
+    make_slots,
+)
 from ray_ps_plugin._param.state import ParamState
 from ray_ps_plugin._shm import SegmentHandle
 from ray_ps_plugin._wire.frames import Frame
@@ -90,10 +96,6 @@ async def _result(ref: Any) -> Any:
 
 def _future(ref: Any) -> concurrent.futures.Future[Any]:
     return ref if isinstance(ref, concurrent.futures.Future) else ref.future()
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _held(slots: Slots, seq: int, replayed: concurrent.futures.Future[Any]) -> None:
@@ -151,7 +153,7 @@ class ReplicaLink:
         else from a shared-memory slot if one is free; otherwise it goes by value."""
         if self.replica is None:
             return
-        if shared is not None and self.same_node and shared.dtype == _name(values.dtype):
+        if shared is not None and self.same_node and shared.dtype == dtype_name(values.dtype):
             self.forward("mirror_shared", model, rank, clock, shared, key=(model, rank))
             return
         ref = self._slots.put(model, values, self._seq + 1) if self._slots else None

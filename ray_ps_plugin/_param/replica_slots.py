@@ -38,7 +38,7 @@ import torch
 from ray_ps_plugin._codec import as_torch
 from ray_ps_plugin._shm import Segment, SegmentHandle, available
 
-__all__ = ["SlotReader", "SlotRef", "Slots", "lane_update", "make_slots"]
+__all__ = ["SlotReader", "SlotRef", "Slots", "dtype_name", "lane_update", "make_slots"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,11 @@ class SlotRef:
     dtype: str
     count: int
     offset: int = 0
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A torch dtype's name, which is numpy's name for it too (``"float32"``)."""
+    return str(dtype).removeprefix("torch.")
 
 
 def lane_update(
@@ -101,7 +106,7 @@ class Slots:
                 return None
         used[0] = seq
         self._next[model] = (i + 1) % len(ring)
-        dtype = str(values.dtype).removeprefix("torch.")  # numpy's name for it too
+        dtype = dtype_name(values.dtype)
         view = segment.view(0, np.dtype(dtype), values.numel())
         as_torch(view).copy_(values.reshape(-1))
         return SlotRef(segment.handle, dtype, values.numel())
